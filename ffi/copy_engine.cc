@@ -1,0 +1,201 @@
+#include "copy_engine.h"
+
+#include <stdlib.h>
+#include <time.h>
+
+#include <algorithm>
+
+#include "numa.h"
+
+namespace jcxl {
+namespace {
+
+constexpr size_t kMaxRecords = 1 << 16;
+
+void SleepUntil(int64_t deadline_ns) {
+  for (int64_t now = NowNs(); now < deadline_ns; now = NowNs()) {
+    const int64_t wait = deadline_ns - now;
+    timespec ts{static_cast<time_t>(wait / 1000000000),
+                static_cast<long>(wait % 1000000000)};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+}  // namespace
+
+Status Ticket::Wait(int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool finished = cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns),
+                                     [this] { return done_; });
+  if (!finished) {
+    return Status(Code::kTimeout,
+                  "transfer " + std::to_string(record_.id) + " of handle " +
+                      std::to_string(record_.handle) + " (" +
+                      std::to_string(record_.bytes) +
+                      " bytes) did not finish within " +
+                      std::to_string(timeout_ns / 1000000) + " ms");
+  }
+  return status_;
+}
+
+bool Ticket::done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+TransferRecord Ticket::record() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return record_;
+}
+
+CopyEngine::CopyEngine(int threads, uint64_t chunk_bytes, std::vector<int> cpus)
+    : chunk_bytes_(std::max<uint64_t>(chunk_bytes, kBlockBytes)),
+      cpus_(std::move(cpus)) {
+  threads = std::max(threads, 1);
+  for (int i = 0; i < threads; ++i) {
+    workers_.emplace_back([this] { WorkerLoop(); });
+  }
+}
+
+CopyEngine::~CopyEngine() {
+  std::vector<std::shared_ptr<Request>> finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    while (!queue_.empty()) {
+      const Chunk& chunk = queue_.top();
+      Request& request = *chunk.request;
+      if (request.status.ok()) {
+        request.status = Status(Code::kClosed,
+                                "the pool was closed before the transfer ran");
+      }
+      if (--request.chunks_left == 0) finished.push_back(chunk.request);
+      queue_.pop();
+    }
+  }
+  cv_.notify_all();
+  for (auto& request : finished) Finish(request);
+  for (std::thread& worker : workers_) worker.join();
+}
+
+std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
+  auto request = std::make_shared<Request>();
+  request->ticket = std::make_shared<Ticket>();
+  const uint64_t chunk =
+      spec.chunk_bytes > 0 ? std::max(spec.chunk_bytes, kBlockBytes)
+                           : chunk_bytes_;
+  request->spec = std::move(spec);
+  TransferRecord& record = request->spec.record;
+  record.direction = request->spec.direction;
+  record.bytes = request->spec.bytes;
+  record.priority = request->spec.priority;
+  record.queued_ns = NowNs();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    record.id = next_id_++;
+    request->ticket->record_ = record;
+    if (stopping_) {
+      request->status = Status(Code::kClosed, "the pool is closed");
+    } else {
+      const uint64_t bytes = request->spec.bytes;
+      const uint64_t chunks = bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
+      request->chunks_left = static_cast<int>(chunks);
+      const uint64_t sequence = next_sequence_++;
+      for (uint64_t i = 0; i < chunks; ++i) {
+        const uint64_t offset = i * chunk;
+        queue_.push({request, offset, std::min(chunk, bytes - offset),
+                     sequence});
+      }
+    }
+  }
+  if (!request->status.ok()) {
+    Finish(request);
+  } else {
+    cv_.notify_all();
+  }
+  return request->ticket;
+}
+
+std::vector<TransferRecord> CopyEngine::DrainRecords() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<TransferRecord> out(records_.begin(), records_.end());
+  records_.clear();
+  return out;
+}
+
+void CopyEngine::WorkerLoop() {
+  numa::PinThreadToCpus(cpus_);  // best effort: near the pool's nodes
+  char* bounce = nullptr;
+  uint64_t bounce_size = 0;
+  for (;;) {
+    Chunk chunk;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) break;  // stopping
+      chunk = queue_.top();
+      queue_.pop();
+      Request& request = *chunk.request;
+      if (!request.started) {
+        request.started = true;
+        request.spec.record.started_ns = NowNs();
+      }
+    }
+    const uint64_t needed = Arena::BounceBytes(chunk.bytes);
+    if (needed > bounce_size) {
+      free(bounce);
+      bounce = static_cast<char*>(aligned_alloc(kBlockBytes, needed));
+      bounce_size = bounce ? needed : 0;
+    }
+    RunChunk(chunk, bounce);
+  }
+  free(bounce);
+}
+
+void CopyEngine::RunChunk(const Chunk& chunk, char* bounce) {
+  Request& request = *chunk.request;
+  const TransferRequest& spec = request.spec;
+  Status status;
+  if (bounce == nullptr) {
+    status = Status(Code::kExhausted, "copy engine: no memory for a buffer");
+  } else {
+    const int64_t deadline =
+        spec.link ? spec.link->Reserve(chunk.bytes, chunk.offset == 0) : 0;
+    char* buffer = static_cast<char*>(spec.buffer) + chunk.offset;
+    const uint64_t offset = spec.arena_offset + chunk.offset;
+    status = spec.direction == Direction::kFromPool
+                 ? spec.arena->Read(offset, buffer, chunk.bytes, bounce)
+                 : spec.arena->Write(offset, buffer, chunk.bytes, bounce);
+    if (deadline > 0) SleepUntil(deadline);
+  }
+  bool last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!status.ok() && request.status.ok()) request.status = status;
+    last = --request.chunks_left == 0;
+  }
+  if (last) Finish(chunk.request);
+}
+
+void CopyEngine::Finish(const std::shared_ptr<Request>& request) {
+  TransferRecord record = request->spec.record;
+  record.finished_ns = NowNs();
+  if (record.started_ns == 0) record.started_ns = record.finished_ns;
+  record.ok = request->status.ok();
+  if (request->spec.on_complete) request->spec.on_complete(request->status);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    records_.push_back(record);
+    if (records_.size() > kMaxRecords) records_.pop_front();
+  }
+  Ticket& ticket = *request->ticket;
+  {
+    std::lock_guard<std::mutex> lock(ticket.mu_);
+    ticket.done_ = true;
+    ticket.status_ = request->status;
+    ticket.record_ = record;
+  }
+  ticket.cv_.notify_all();
+}
+
+}  // namespace jcxl

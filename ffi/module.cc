@@ -1,0 +1,330 @@
+// The Python extension `jcxl._jcxl`: the pool, its tickets and a bare
+// allocator (for trace replays), plus the table of XLA FFI targets that
+// `jcxl` registers when it is imported.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "allocator.h"
+#include "pool.h"
+
+namespace nb = nanobind;
+
+namespace jcxl {
+namespace {
+
+// Carries a Status out of C++; translated into the Python exception class
+// that jcxl._src.errors picks for its code.
+struct StatusError : std::exception {
+  explicit StatusError(Status s) : status(std::move(s)) {}
+  const char* what() const noexcept override {
+    return status.message().c_str();
+  }
+  Status status;
+};
+
+void ThrowIfError(const Status& status) {
+  if (!status.ok()) throw StatusError(status);
+}
+
+template <typename T>
+T Unwrap(StatusOr<T> result) {
+  ThrowIfError(result.status());
+  return std::move(*result);
+}
+
+int64_t SecondsToNs(double seconds) {
+  if (!(seconds >= 0)) throw nb::value_error("timeout must be >= 0 seconds");
+  return seconds > 1e9 ? INT64_MAX : static_cast<int64_t>(seconds * 1e9);
+}
+
+nb::dict AllocatorStatsDict(const AllocatorStats& s) {
+  nb::dict d;
+  d["capacity"] = s.capacity;
+  d["reserved"] = s.reserved;
+  d["live"] = s.live;
+  d["hole_bytes"] = s.hole_bytes;
+  d["largest_hole"] = s.largest_hole;
+  d["largest_free"] = s.largest_free;
+  d["external_fragmentation"] = s.external_fragmentation();
+  d["slab_objects"] = s.slab_objects;
+  d["extent_objects"] = s.extent_objects;
+  d["slab_spans"] = s.slab_spans;
+  d["allocations"] = s.allocations;
+  d["frees"] = s.frees;
+  d["alloc_ns_total"] = s.alloc_ns_total;
+  d["alloc_ns_max"] = s.alloc_ns_max;
+  return d;
+}
+
+nb::tuple RecordTuple(const TransferRecord& r) {
+  return nb::make_tuple(r.id, r.handle, r.tier, r.node,
+                        static_cast<int>(r.direction), r.bytes, r.priority,
+                        r.queued_ns, r.started_ns, r.finished_ns, r.ok);
+}
+
+// An allocator alone, without memory, for replaying allocation traces:
+// the hybrid allocator, or the first-fit baseline it is compared with.
+class ReplayAllocator {
+ public:
+  ReplayAllocator(uint64_t capacity, const std::string& policy,
+                  uint64_t alignment) {
+    if (policy == "hybrid") {
+      HybridOptions options;
+      options.alignment = alignment;
+      hybrid_ = std::make_unique<HybridAllocator>(capacity, options);
+    } else if (policy == "first_fit") {
+      baseline_ = std::make_unique<ExtentAllocator>(capacity, alignment,
+                                                    FitPolicy::kFirstFit);
+    } else {
+      throw nb::value_error(
+          ("policy must be 'hybrid' or 'first_fit', but got '" + policy + "'")
+              .c_str());
+    }
+  }
+  int64_t Allocate(uint64_t bytes) {
+    const int64_t token = next_token_++;
+    if (hybrid_) {
+      live_[token] = Unwrap(hybrid_->Allocate(bytes));
+    } else {
+      const auto start = std::chrono::steady_clock::now();
+      Allocation a;
+      a.bytes = bytes;
+      a.extent_offset = Unwrap(baseline_->Allocate(bytes));
+      const uint64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now() - start)
+                              .count();
+      baseline_ns_total_ += ns;
+      baseline_ns_max_ = std::max(baseline_ns_max_, ns);
+      baseline_live_ += bytes;
+      ++baseline_allocations_;
+      live_[token] = a;
+    }
+    return token;
+  }
+  void Free(int64_t token) {
+    auto it = live_.find(token);
+    if (it == live_.end()) throw nb::key_error("unknown allocation token");
+    if (hybrid_) {
+      ThrowIfError(hybrid_->Free(it->second));
+    } else {
+      ThrowIfError(baseline_->Free(it->second.extent_offset));
+      baseline_live_ -= it->second.bytes;
+    }
+    live_.erase(it);
+  }
+  nb::dict Stats() {
+    if (hybrid_) return AllocatorStatsDict(hybrid_->Stats());
+    AllocatorStats s;
+    s.capacity = baseline_->capacity();
+    s.reserved = baseline_->top();
+    s.live = baseline_live_;
+    s.hole_bytes = baseline_->hole_bytes();
+    s.largest_hole = baseline_->largest_hole();
+    s.largest_free = std::max(s.largest_hole, s.capacity - s.reserved);
+    s.extent_objects = baseline_->live_extents();
+    s.allocations = baseline_allocations_;
+    s.alloc_ns_total = baseline_ns_total_;
+    s.alloc_ns_max = baseline_ns_max_;
+    return AllocatorStatsDict(s);
+  }
+
+ private:
+  std::unique_ptr<HybridAllocator> hybrid_;
+  std::unique_ptr<ExtentAllocator> baseline_;
+  std::map<int64_t, Allocation> live_;
+  int64_t next_token_ = 1;
+  uint64_t baseline_live_ = 0;
+  uint64_t baseline_allocations_ = 0;
+  uint64_t baseline_ns_total_ = 0;
+  uint64_t baseline_ns_max_ = 0;
+};
+
+}  // namespace
+}  // namespace jcxl
+
+NB_MODULE(_jcxl, m) {
+  using namespace jcxl;
+  m.doc() = "jcxl's C++ core: the pool, its copy engine and FFI targets.";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      nb::object errors = nb::module_::import_("jcxl._src.errors");
+      nb::object cls =
+          errors.attr("error_class")(static_cast<int>(e.status.code()));
+      PyErr_SetString(cls.ptr(), e.status.message().c_str());
+    }
+  });
+
+  nb::class_<TierConfig>(m, "TierConfig")
+      .def(nb::init<>())
+      .def_rw("capacity", &TierConfig::capacity)
+      .def_rw("nodes", &TierConfig::nodes)
+      .def_rw("weights", &TierConfig::weights)
+      .def_rw("emulated", &TierConfig::emulated)
+      .def_rw("link_bytes_per_second", &TierConfig::link_bytes_per_second)
+      .def_rw("link_latency_ns", &TierConfig::link_latency_ns);
+
+  nb::class_<PoolConfig>(m, "PoolConfig")
+      .def(nb::init<>())
+      .def("set_tier",
+           [](PoolConfig& c, int tier, const TierConfig& t) {
+             if (tier < 0 || tier >= kNumTiers) {
+               throw nb::value_error("tier index out of range");
+             }
+             c.tiers[tier] = t;
+           })
+      .def_rw("nvme_dir", &PoolConfig::nvme_dir)
+      .def_rw("keep_nvme_files", &PoolConfig::keep_nvme_files)
+      .def_rw("spill", &PoolConfig::spill)
+      .def_rw("copy_threads", &PoolConfig::copy_threads)
+      .def_rw("chunk_bytes", &PoolConfig::chunk_bytes)
+      .def_rw("copy_cpus", &PoolConfig::copy_cpus)
+      .def_prop_rw(
+          "slab_max_bytes",
+          [](const PoolConfig& c) { return c.allocator.slab_max_bytes; },
+          [](PoolConfig& c, uint64_t v) { c.allocator.slab_max_bytes = v; });
+
+  nb::class_<Ticket>(m, "Ticket")
+      .def(
+          "wait",
+          [](Ticket& t, double timeout_s) {
+            Status status;
+            {
+              nb::gil_scoped_release release;
+              status = t.Wait(SecondsToNs(timeout_s));
+            }
+            ThrowIfError(status);
+          },
+          nb::arg("timeout_s"))
+      .def("done", &Ticket::done)
+      .def("record", [](Ticket& t) { return RecordTuple(t.record()); });
+
+  nb::class_<Pool>(m, "Pool")
+      .def_static("create",
+                  [](const PoolConfig& config) {
+                    return Unwrap(Pool::Create(config));
+                  })
+      .def_prop_ro("id", &Pool::id)
+      .def_prop_ro("closed", &Pool::closed)
+      .def("allocate",
+           [](Pool& p, int tier, uint64_t bytes, std::vector<int64_t> shape,
+              std::string dtype) {
+             if (tier < 0 || tier >= kNumTiers) {
+               throw nb::value_error("tier index out of range");
+             }
+             return Unwrap(p.Allocate(static_cast<TierKind>(tier), bytes,
+                                      std::move(shape), std::move(dtype)));
+           })
+      .def("free",
+           [](Pool& p, int32_t handle, double timeout_s) {
+             Status status;
+             {
+               nb::gil_scoped_release release;
+               status = p.Free(handle, SecondsToNs(timeout_s));
+             }
+             ThrowIfError(status);
+           })
+      .def("write",
+           [](Pool& p, int32_t handle, uintptr_t src, uint64_t bytes,
+              uint64_t offset, int priority, uint64_t chunk_bytes) {
+             return Unwrap(p.Write(handle, reinterpret_cast<const void*>(src),
+                                   bytes, offset, priority, chunk_bytes));
+           })
+      .def("read",
+           [](Pool& p, int32_t handle, uintptr_t dst, uint64_t bytes,
+              uint64_t offset, int priority, uint64_t chunk_bytes) {
+             return Unwrap(p.Read(handle, reinterpret_cast<void*>(dst), bytes,
+                                  offset, priority, chunk_bytes));
+           })
+      .def("info",
+           [](Pool& p, int32_t handle) {
+             ObjectInfo info = Unwrap(p.Info(handle));
+             nb::dict d;
+             d["handle"] = info.handle;
+             d["tier"] = static_cast<int>(info.tier);
+             d["node"] = info.node;
+             d["offset"] = info.offset;
+             d["bytes"] = info.bytes;
+             d["slab"] = info.slab;
+             d["shape"] = info.shape;
+             d["dtype"] = info.dtype;
+             return d;
+           })
+      .def("handles", &Pool::Handles)
+      .def("page_nodes",
+           [](Pool& p, int32_t handle) { return Unwrap(p.PageNodes(handle)); })
+      .def("compact",
+           [](Pool& p, double timeout_s) {
+             Status status;
+             {
+               nb::gil_scoped_release release;
+               status = p.Compact(SecondsToNs(timeout_s));
+             }
+             ThrowIfError(status);
+           })
+      .def("set_link",
+           [](Pool& p, int tier, double bytes_per_second, int64_t latency_ns) {
+             ThrowIfError(p.SetLink(static_cast<TierKind>(tier),
+                                    bytes_per_second, latency_ns));
+           })
+      .def("stats",
+           [](Pool& p) {
+             nb::list tiers;
+             for (const TierStats& t : p.Stats()) {
+               nb::dict d;
+               d["tier"] = static_cast<int>(t.kind);
+               d["enabled"] = t.enabled;
+               d["emulated"] = t.emulated;
+               d["link_bytes_per_second"] = t.link_bytes_per_second;
+               d["link_latency_ns"] = t.link_latency_ns;
+               d["bytes_read"] = t.bytes_read;
+               d["bytes_written"] = t.bytes_written;
+               nb::list arenas;
+               for (const ArenaStats& a : t.arenas) {
+                 nb::dict ad = AllocatorStatsDict(a.allocator);
+                 ad["node"] = a.node;
+                 ad["weight"] = a.weight;
+                 ad["description"] = a.description;
+                 arenas.append(ad);
+               }
+               d["arenas"] = arenas;
+               tiers.append(d);
+             }
+             return tiers;
+           })
+      .def("drain_records",
+           [](Pool& p) {
+             nb::list out;
+             for (const TransferRecord& r : p.DrainRecords()) {
+               out.append(RecordTuple(r));
+             }
+             return out;
+           })
+      .def("close", [](Pool& p, double timeout_s) {
+        Status status;
+        {
+          nb::gil_scoped_release release;
+          status = p.Close(SecondsToNs(timeout_s));
+        }
+        ThrowIfError(status);
+      });
+
+  nb::class_<ReplayAllocator>(m, "ReplayAllocator")
+      .def(nb::init<uint64_t, const std::string&, uint64_t>(),
+           nb::arg("capacity"), nb::arg("policy"), nb::arg("alignment"))
+      .def("allocate", &ReplayAllocator::Allocate)
+      .def("free", &ReplayAllocator::Free)
+      .def("stats", &ReplayAllocator::Stats);
+
+  m.def("now_ns", &NowNs, "The copy engine's clock (steady, ns).");
+}

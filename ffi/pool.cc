@@ -1,0 +1,536 @@
+#include "pool.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <numeric>
+
+#include "numa.h"
+
+namespace jcxl {
+namespace {
+
+// A handle is (generation << kIndexBits) | index, always positive as int32:
+// a freed handle's generation no longer matches, so it is never mistaken for
+// the object that reuses its slot.
+constexpr int kIndexBits = 22;
+constexpr uint32_t kIndexMask = (1u << kIndexBits) - 1;
+constexpr uint32_t kMaxGeneration = (1u << (31 - kIndexBits)) - 1;
+
+std::mutex g_registry_mu;
+std::map<int32_t, std::weak_ptr<Pool>>& Registry() {
+  static auto* registry = new std::map<int32_t, std::weak_ptr<Pool>>();
+  return *registry;
+}
+int32_t g_next_pool_id = 1;
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string out = "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out += std::to_string(shape[i]);
+    if (shape.size() == 1 || i + 1 < shape.size()) out += ",";
+    if (i + 1 < shape.size()) out += " ";
+  }
+  return out + ")";
+}
+
+}  // namespace
+
+const char* TierName(TierKind kind) {
+  switch (kind) {
+    case TierKind::kHost:
+      return "host";
+    case TierKind::kCxl:
+      return "cxl";
+    case TierKind::kNvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+Pool::Pool(const PoolConfig& config) : config_(config) {}
+
+StatusOr<std::shared_ptr<Pool>> Pool::Create(const PoolConfig& config) {
+  std::shared_ptr<Pool> pool(new Pool(config));
+  JCXL_RETURN_IF_ERROR(pool->Init());
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  pool->id_ = g_next_pool_id++;
+  Registry()[pool->id_] = pool;
+  return pool;
+}
+
+std::shared_ptr<Pool> Pool::Find(int32_t id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto it = Registry().find(id);
+  return it == Registry().end() ? nullptr : it->second.lock();
+}
+
+Status Pool::Init() {
+  for (int t = 0; t < kNumTiers; ++t) {
+    const TierConfig& tier_config = config_.tiers[t];
+    Tier& tier = tiers_[t];
+    tier.kind = static_cast<TierKind>(t);
+    if (tier_config.capacity == 0) continue;
+    tier.enabled = true;
+    if (tier_config.link_bytes_per_second > 0 ||
+        tier_config.link_latency_ns > 0) {
+      tier.link = std::make_unique<LinkModel>(
+          tier_config.link_bytes_per_second, tier_config.link_latency_ns);
+    }
+    if (tier.kind == TierKind::kNvme) {
+      if (config_.nvme_dir.empty()) {
+        return Status(Code::kInvalidArgument,
+                      "the nvme tier needs a directory (nvme_dir)");
+      }
+      auto arena = FileArena::Create(config_.nvme_dir + "/tier.swap",
+                                     config_.keep_nvme_files);
+      if (!arena.ok()) return arena.status();
+      HybridOptions options = config_.allocator;
+      options.alignment = std::max<uint64_t>(options.alignment, kBlockBytes);
+      options.slab_max_bytes = 0;  // objects own whole blocks: no RMW races
+      TierArena entry;
+      entry.arena = std::move(*arena);
+      entry.allocator =
+          std::make_unique<HybridAllocator>(tier_config.capacity, options);
+      tier.arenas.push_back(std::move(entry));
+      continue;
+    }
+    std::vector<int> nodes = tier_config.nodes;
+    std::vector<double> weights = tier_config.weights;
+    if (nodes.empty()) nodes.push_back(-1);
+    if (weights.size() != nodes.size()) weights.assign(nodes.size(), 1.0);
+    const double total = std::accumulate(weights.begin(), weights.end(), 0.0);
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (!(weights[i] > 0)) {
+        return Status(Code::kInvalidArgument,
+                      std::string(TierName(tier.kind)) +
+                          " tier: node weights must be positive");
+      }
+      const uint64_t share = static_cast<uint64_t>(
+          static_cast<double>(tier_config.capacity) * weights[i] / total);
+      std::vector<int> bind;
+      if (nodes[i] >= 0) bind.push_back(nodes[i]);
+      auto arena = MemoryArena::Create(share, bind);
+      if (!arena.ok()) return arena.status();
+      TierArena entry;
+      entry.node = nodes[i];
+      entry.weight = weights[i];
+      entry.arena = std::move(*arena);
+      entry.allocator = std::make_unique<HybridAllocator>(share,
+                                                          config_.allocator);
+      tier.arenas.push_back(std::move(entry));
+    }
+  }
+  engine_ = std::make_unique<CopyEngine>(config_.copy_threads,
+                                         config_.chunk_bytes,
+                                         config_.copy_cpus);
+  return Status::Ok();
+}
+
+Pool::~Pool() {
+  if (!closed()) Close(/*timeout_ns=*/60'000'000'000);
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  Registry().erase(id_);
+}
+
+bool Pool::closed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
+
+StatusOr<Pool::Object*> Pool::Lookup(int32_t handle) {
+  if (closed_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) +
+                                     " is closed; handle " +
+                                     std::to_string(handle) +
+                                     " can no longer be used");
+  }
+  const uint32_t raw = static_cast<uint32_t>(handle);
+  const uint32_t index = raw & kIndexMask;
+  const uint32_t generation = raw >> kIndexBits;
+  if (handle <= 0 || index >= objects_.size() ||
+      !objects_[index].live || objects_[index].generation != generation) {
+    return Status(Code::kNotFound, "handle " + std::to_string(handle) +
+                                       " is unknown to pool " +
+                                       std::to_string(id_) +
+                                       " or its object was freed");
+  }
+  return &objects_[index];
+}
+
+StatusOr<int32_t> Pool::AllocateIn(int t, uint64_t bytes) {
+  Tier& tier = tiers_[t];
+  // Weighted placement across the tier's nodes: the node whose share would
+  // stay lowest relative to its weight (its bandwidth) goes first.
+  std::vector<size_t> order(tier.arenas.size());
+  std::iota(order.begin(), order.end(), 0);
+  auto load = [&](size_t i) {
+    const TierArena& arena = tier.arenas[i];
+    return static_cast<double>(arena.allocator->Stats().live + bytes) /
+           arena.weight;
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return load(a) < load(b); });
+  Status last;
+  for (size_t i : order) {
+    StatusOr<Allocation> allocation = tier.arenas[i].allocator->Allocate(bytes);
+    if (!allocation.ok()) {
+      last = allocation.status();
+      continue;
+    }
+    uint32_t index;
+    if (!free_indices_.empty()) {
+      index = free_indices_.back();
+      free_indices_.pop_back();
+    } else if (objects_.size() <= kIndexMask) {
+      index = static_cast<uint32_t>(objects_.size());
+      objects_.emplace_back();
+    } else {
+      tier.arenas[i].allocator->Free(*allocation);
+      return Status(Code::kExhausted, "pool " + std::to_string(id_) +
+                                          " holds the most objects it can (" +
+                                          std::to_string(kIndexMask) + ")");
+    }
+    Object& object = objects_[index];
+    object.live = true;
+    object.tier = t;
+    object.arena = static_cast<int>(i);
+    object.allocation = *allocation;
+    object.pins = 0;
+    return static_cast<int32_t>((object.generation << kIndexBits) | index);
+  }
+  return last;
+}
+
+StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
+                                 std::vector<int64_t> shape,
+                                 std::string dtype) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
+  }
+  if (bytes == 0) {
+    return Status(Code::kInvalidArgument,
+                  "cannot store an object of 0 bytes (shape " +
+                      ShapeString(shape) + ")");
+  }
+  const int first = static_cast<int>(kind);
+  if (!tiers_[first].enabled) {
+    return Status(Code::kInvalidArgument,
+                  std::string("the ") + TierName(kind) +
+                      " tier is off in this pool (capacity 0)");
+  }
+  std::string why;
+  for (int t = first; t < kNumTiers; ++t) {
+    if (!tiers_[t].enabled) continue;
+    StatusOr<int32_t> handle = AllocateIn(t, bytes);
+    if (handle.ok()) {
+      Object& object = objects_[static_cast<uint32_t>(*handle) & kIndexMask];
+      object.shape = std::move(shape);
+      object.dtype = std::move(dtype);
+      return handle;
+    }
+    if (handle.status().code() != Code::kExhausted) return handle.status();
+    why += std::string(why.empty() ? "" : "; ") + TierName(tiers_[t].kind) +
+           ": " + handle.status().message();
+    if (!config_.spill) break;
+  }
+  return Status(Code::kExhausted,
+                std::string("the ") + TierName(kind) +
+                    " tier is full: cannot store " + FormatBytes(bytes) +
+                    " (shape " + ShapeString(shape) + ", " + dtype + "). " +
+                    why +
+                    (config_.spill ? ""
+                                   : ". Spilling to the next tier is off "
+                                     "(Pool(spill=True) allows it)"));
+}
+
+Status Pool::WaitUnpinned(std::unique_lock<std::mutex>& lock,
+                          int64_t timeout_ns, const Object* object) {
+  auto idle = [&] {
+    return object ? object->pins == 0 : total_pins_ == 0;
+  };
+  if (!unpinned_cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns),
+                             idle)) {
+    return Status(Code::kTimeout,
+                  "transfers still in flight after " +
+                      std::to_string(timeout_ns / 1000000) + " ms");
+  }
+  return Status::Ok();
+}
+
+void Pool::ReleaseTop(TierArena& arena, uint64_t old_top) {
+  const uint64_t top = arena.allocator->extents().top();
+  if (top < old_top) arena.arena->Release(top, old_top - top);
+}
+
+Status Pool::Free(int32_t handle, int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok()) return found.status();
+  Object* object = *found;
+  Status waited = WaitUnpinned(lock, timeout_ns, object);
+  if (!waited.ok()) {
+    return Status(Code::kTimeout, "cannot free handle " +
+                                      std::to_string(handle) + ": " +
+                                      waited.message());
+  }
+  // The wait released the lock: the handle may have been freed meanwhile.
+  found = Lookup(handle);
+  if (!found.ok()) return found.status();
+  TierArena& arena = tiers_[object->tier].arenas[object->arena];
+  const uint64_t old_top = arena.allocator->extents().top();
+  JCXL_RETURN_IF_ERROR(arena.allocator->Free(object->allocation));
+  ReleaseTop(arena, old_top);
+  object->live = false;
+  object->shape.clear();
+  object->dtype.clear();
+  object->generation =
+      object->generation == kMaxGeneration ? 1 : object->generation + 1;
+  free_indices_.push_back(static_cast<uint32_t>(handle) & kIndexMask);
+  return Status::Ok();
+}
+
+StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
+    int32_t handle, void* buffer, uint64_t bytes, uint64_t offset,
+    int priority, uint64_t chunk_bytes, Direction direction) {
+  std::unique_lock<std::mutex> lock(mu_);
+  unpinned_cv_.wait(lock, [this] { return !compacting_; });
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok()) return found.status();
+  Object* object = *found;
+  if (offset > object->allocation.bytes ||
+      bytes > object->allocation.bytes - offset) {
+    return Status(Code::kInvalidArgument,
+                  "handle " + std::to_string(handle) + " holds " +
+                      std::to_string(object->allocation.bytes) +
+                      " bytes; cannot access " + std::to_string(bytes) +
+                      " bytes at offset " + std::to_string(offset));
+  }
+  if (bytes > 0 && buffer == nullptr) {
+    return Status(Code::kInvalidArgument, "null buffer for handle " +
+                                              std::to_string(handle));
+  }
+  Tier& tier = tiers_[object->tier];
+  TierArena& arena = tier.arenas[object->arena];
+  TransferRequest request;
+  request.arena = arena.arena.get();
+  request.arena_offset = arena.allocator->OffsetOf(object->allocation) + offset;
+  request.buffer = buffer;
+  request.bytes = bytes;
+  request.direction = direction;
+  request.link = tier.link.get();
+  request.priority = priority;
+  request.chunk_bytes = chunk_bytes;
+  request.record.handle = handle;
+  request.record.tier = object->tier;
+  request.record.node = arena.node;
+  const uint32_t index = static_cast<uint32_t>(handle) & kIndexMask;
+  const int tier_index = object->tier;
+  request.on_complete = [this, index, tier_index, direction,
+                         bytes](const Status&) {
+    Unpin(index, tier_index, direction, bytes);
+  };
+  ++object->pins;
+  ++total_pins_;
+  lock.unlock();
+  return engine_->Submit(std::move(request));
+}
+
+void Pool::Unpin(uint32_t index, int tier, Direction direction,
+                 uint64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --objects_[index].pins;
+    --total_pins_;
+    if (direction == Direction::kFromPool) {
+      tiers_[tier].bytes_read += bytes;
+    } else {
+      tiers_[tier].bytes_written += bytes;
+    }
+  }
+  unpinned_cv_.notify_all();
+}
+
+StatusOr<std::shared_ptr<Ticket>> Pool::Write(int32_t handle, const void* src,
+                                              uint64_t bytes, uint64_t offset,
+                                              int priority,
+                                              uint64_t chunk_bytes) {
+  return Transfer(handle, const_cast<void*>(src), bytes, offset, priority,
+                  chunk_bytes, Direction::kToPool);
+}
+
+StatusOr<std::shared_ptr<Ticket>> Pool::Read(int32_t handle, void* dst,
+                                             uint64_t bytes, uint64_t offset,
+                                             int priority,
+                                             uint64_t chunk_bytes) {
+  return Transfer(handle, dst, bytes, offset, priority, chunk_bytes,
+                  Direction::kFromPool);
+}
+
+ObjectInfo Pool::InfoOf(int32_t handle, const Object& object) {
+  const TierArena& arena = tiers_[object.tier].arenas[object.arena];
+  ObjectInfo info;
+  info.handle = handle;
+  info.tier = static_cast<TierKind>(object.tier);
+  info.node = arena.node;
+  info.offset = arena.allocator->OffsetOf(object.allocation);
+  info.bytes = object.allocation.bytes;
+  info.slab = object.allocation.is_slab();
+  info.shape = object.shape;
+  info.dtype = object.dtype;
+  return info;
+}
+
+StatusOr<ObjectInfo> Pool::Info(int32_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok()) return found.status();
+  return InfoOf(handle, **found);
+}
+
+std::vector<int32_t> Pool::Handles() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> handles;
+  for (uint32_t i = 0; i < objects_.size(); ++i) {
+    if (objects_[i].live) {
+      handles.push_back(
+          static_cast<int32_t>((objects_[i].generation << kIndexBits) | i));
+    }
+  }
+  return handles;
+}
+
+StatusOr<std::vector<int>> Pool::PageNodes(int32_t handle) {
+  std::lock_guard<std::mutex> lock(mu_);
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok()) return found.status();
+  const Object& object = **found;
+  const TierArena& arena = tiers_[object.tier].arenas[object.arena];
+  if (arena.arena->base() == nullptr) {
+    return Status(Code::kInvalidArgument,
+                  "handle " + std::to_string(handle) +
+                      " lives in the nvme tier's file, not in memory pages");
+  }
+  return numa::PageNodes(
+      arena.arena->base() + arena.allocator->OffsetOf(object.allocation),
+      object.allocation.bytes);
+}
+
+Status Pool::Compact(int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
+  }
+  compacting_ = true;
+  Status waited = WaitUnpinned(lock, timeout_ns, nullptr);
+  Status result = waited;
+  if (waited.ok()) {
+    for (Tier& tier : tiers_) {
+      for (size_t a = 0; a < tier.arenas.size(); ++a) {
+        TierArena& arena = tier.arenas[a];
+        const uint64_t old_top = arena.allocator->extents().top();
+        std::vector<Move> moves = arena.allocator->Compact();
+        if (moves.empty()) continue;
+        std::map<uint64_t, uint64_t> remap;
+        for (const Move& move : moves) {
+          Status moved = arena.arena->Move(move.from, move.to, move.bytes);
+          if (!moved.ok() && result.ok()) result = moved;
+          remap.emplace(move.from, move.to);
+        }
+        for (Object& object : objects_) {
+          if (!object.live || object.allocation.is_slab() ||
+              object.tier != static_cast<int>(tier.kind) ||
+              object.arena != static_cast<int>(a)) {
+            continue;
+          }
+          auto it = remap.find(object.allocation.extent_offset);
+          if (it != remap.end()) object.allocation.extent_offset = it->second;
+        }
+        ReleaseTop(arena, old_top);
+      }
+    }
+  }
+  compacting_ = false;
+  lock.unlock();
+  unpinned_cv_.notify_all();
+  return result;
+}
+
+std::vector<TierStats> Pool::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<TierStats> out;
+  for (int t = 0; t < kNumTiers; ++t) {
+    const Tier& tier = tiers_[t];
+    TierStats stats;
+    stats.kind = tier.kind;
+    stats.enabled = tier.enabled;
+    stats.emulated = config_.tiers[t].emulated;
+    if (tier.link) {
+      stats.link_bytes_per_second = tier.link->bytes_per_second();
+      stats.link_latency_ns = tier.link->latency_ns();
+    }
+    stats.bytes_read = tier.bytes_read;
+    stats.bytes_written = tier.bytes_written;
+    for (const TierArena& arena : tier.arenas) {
+      ArenaStats entry;
+      entry.node = arena.node;
+      entry.weight = arena.weight;
+      entry.description = arena.arena->Describe();
+      entry.allocator = arena.allocator->Stats();
+      stats.arenas.push_back(std::move(entry));
+    }
+    out.push_back(std::move(stats));
+  }
+  return out;
+}
+
+std::vector<TransferRecord> Pool::DrainRecords() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_ ? engine_->DrainRecords() : std::vector<TransferRecord>{};
+}
+
+Status Pool::SetLink(TierKind kind, double bytes_per_second,
+                     int64_t latency_ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Tier& tier = tiers_[static_cast<int>(kind)];
+  if (!tier.enabled) {
+    return Status(Code::kInvalidArgument,
+                  std::string("the ") + TierName(kind) + " tier is off");
+  }
+  if (tier.link) {
+    tier.link->Set(bytes_per_second, latency_ns);
+  } else {
+    tier.link = std::make_unique<LinkModel>(bytes_per_second, latency_ns);
+  }
+  return Status::Ok();
+}
+
+Status Pool::Close(int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) {
+    return Status(Code::kClosed,
+                  "pool " + std::to_string(id_) + " is already closed");
+  }
+  closed_ = true;  // from here every new request fails
+  // Let transfers already queued finish; past the timeout they are failed.
+  Status waited = WaitUnpinned(lock, timeout_ns, nullptr);
+  lock.unlock();
+  engine_.reset();  // joins the workers; queued transfers fail as kClosed
+  lock.lock();
+  for (Tier& tier : tiers_) tier.arenas.clear();  // unmap, remove files
+  if (!config_.nvme_dir.empty() && !config_.keep_nvme_files) {
+    rmdir(config_.nvme_dir.c_str());
+  }
+  objects_.clear();
+  free_indices_.clear();
+  return waited.ok() ? Status::Ok()
+                     : Status(Code::kTimeout,
+                              "pool closed, but " + waited.message() +
+                                  " were failed");
+}
+
+}  // namespace jcxl

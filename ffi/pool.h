@@ -1,0 +1,172 @@
+// The jcxl pool: tiers of memory outside the device (host DRAM, CXL memory,
+// nvme files), objects in them addressed by stable int32 handles, and the
+// copy engine that moves their bytes.
+//
+// Lifetime: Python owns each Pool through a shared_ptr; the pool registry
+// (Pool::Find) holds weak references so that FFI handlers can reach a pool
+// by its id without keeping it alive. Close() fails new requests, waits for
+// transfers in flight, then releases every arena.
+#ifndef JCXL_FFI_POOL_H_
+#define JCXL_FFI_POOL_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "allocator.h"
+#include "arena.h"
+#include "copy_engine.h"
+#include "link_model.h"
+#include "status.h"
+
+namespace jcxl {
+
+enum class TierKind { kHost = 0, kCxl = 1, kNvme = 2 };
+constexpr int kNumTiers = 3;
+const char* TierName(TierKind kind);
+
+struct TierConfig {
+  uint64_t capacity = 0;       // 0: the tier is off
+  std::vector<int> nodes;      // memory tiers: NUMA nodes (empty: unbound)
+  std::vector<double> weights;  // per node, e.g. bandwidth; empty: equal
+  bool emulated = false;        // no real hardware: say so everywhere
+  double link_bytes_per_second = 0;  // > 0: emulate a link with this cap
+  int64_t link_latency_ns = 0;
+};
+
+struct PoolConfig {
+  TierConfig tiers[kNumTiers];
+  std::string nvme_dir;         // the pool's own (private) directory
+  bool keep_nvme_files = false;
+  bool spill = false;           // a full tier spills to the next (host->cxl->nvme)
+  int copy_threads = 2;
+  uint64_t chunk_bytes = 4ull << 20;
+  std::vector<int> copy_cpus;   // CPUs for the copy workers (empty: any)
+  HybridOptions allocator;
+};
+
+struct ObjectInfo {
+  int32_t handle = 0;
+  TierKind tier = TierKind::kHost;
+  int node = -1;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  bool slab = false;
+  std::vector<int64_t> shape;
+  std::string dtype;
+};
+
+struct ArenaStats {
+  int node = -1;
+  double weight = 1.0;
+  std::string description;
+  AllocatorStats allocator;
+};
+
+struct TierStats {
+  TierKind kind = TierKind::kHost;
+  bool enabled = false;
+  bool emulated = false;
+  double link_bytes_per_second = 0;
+  int64_t link_latency_ns = 0;
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+  std::vector<ArenaStats> arenas;
+};
+
+class Pool {
+ public:
+  static StatusOr<std::shared_ptr<Pool>> Create(const PoolConfig& config);
+  // The open pool with this id, or nullptr.
+  static std::shared_ptr<Pool> Find(int32_t id);
+  ~Pool();
+
+  int32_t id() const { return id_; }
+
+  // Reserves an object; `shape` and `dtype` are recorded for checks.
+  StatusOr<int32_t> Allocate(TierKind tier, uint64_t bytes,
+                             std::vector<int64_t> shape, std::string dtype);
+  // Frees an object once its transfers in flight are done.
+  Status Free(int32_t handle, int64_t timeout_ns);
+  // Starts a copy of `bytes` from `src` into the object at byte `offset`.
+  StatusOr<std::shared_ptr<Ticket>> Write(int32_t handle, const void* src,
+                                          uint64_t bytes, uint64_t offset,
+                                          int priority, uint64_t chunk_bytes);
+  // Starts a copy of the object's bytes [offset, offset + bytes) to `dst`.
+  StatusOr<std::shared_ptr<Ticket>> Read(int32_t handle, void* dst,
+                                         uint64_t bytes, uint64_t offset,
+                                         int priority, uint64_t chunk_bytes);
+  StatusOr<ObjectInfo> Info(int32_t handle);
+  std::vector<int32_t> Handles();
+  // Where each page of a memory-tier object sits (move_pages).
+  StatusOr<std::vector<int>> PageNodes(int32_t handle);
+  // Moves objects to remove holes; handles stay valid.
+  Status Compact(int64_t timeout_ns);
+  std::vector<TierStats> Stats();
+  std::vector<TransferRecord> DrainRecords();
+  // Changes an emulated link (a slower or shared link mid-run).
+  Status SetLink(TierKind tier, double bytes_per_second, int64_t latency_ns);
+  Status Close(int64_t timeout_ns);
+  bool closed();
+  const PoolConfig& config() const { return config_; }
+
+ private:
+  struct TierArena {
+    int node = -1;
+    double weight = 1.0;
+    std::unique_ptr<Arena> arena;
+    std::unique_ptr<HybridAllocator> allocator;
+  };
+  struct Tier {
+    TierKind kind;
+    bool enabled = false;
+    std::unique_ptr<LinkModel> link;
+    std::vector<TierArena> arenas;
+    uint64_t bytes_read = 0;
+    uint64_t bytes_written = 0;
+  };
+  struct Object {
+    uint32_t generation = 1;
+    bool live = false;
+    int tier = 0;
+    int arena = 0;
+    Allocation allocation;
+    std::vector<int64_t> shape;
+    std::string dtype;
+    int pins = 0;  // transfers in flight
+  };
+
+  explicit Pool(const PoolConfig& config);
+  Status Init();
+  // Resolves a handle; caller holds mu_.
+  StatusOr<Object*> Lookup(int32_t handle);
+  StatusOr<int32_t> AllocateIn(int tier, uint64_t bytes);
+  StatusOr<std::shared_ptr<Ticket>> Transfer(int32_t handle, void* buffer,
+                                             uint64_t bytes, uint64_t offset,
+                                             int priority, uint64_t chunk_bytes,
+                                             Direction direction);
+  void Unpin(uint32_t index, int tier, Direction direction, uint64_t bytes);
+  Status WaitUnpinned(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
+                      const Object* object);
+  void ReleaseTop(TierArena& arena, uint64_t old_top);
+  ObjectInfo InfoOf(int32_t handle, const Object& object);
+
+  PoolConfig config_;
+  int32_t id_ = 0;
+  std::mutex mu_;
+  std::condition_variable unpinned_cv_;
+  bool closed_ = false;
+  bool compacting_ = false;
+  int total_pins_ = 0;
+  Tier tiers_[kNumTiers];
+  std::vector<Object> objects_;
+  std::vector<uint32_t> free_indices_;
+  std::unique_ptr<CopyEngine> engine_;
+};
+
+}  // namespace jcxl
+
+#endif  // JCXL_FFI_POOL_H_

@@ -1,0 +1,54 @@
+"""Exceptions raised by the jcxl pool and its transfers.
+
+Each derives from the built-in exception a user would catch for that kind of
+problem (``MemoryError`` for a full tier, ``KeyError`` for an unknown handle,
+``TimeoutError`` for a transfer that did not finish), so generic handlers
+keep working.
+"""
+
+from __future__ import annotations
+
+
+class JcxlError(Exception):
+  """Base class of every jcxl error."""
+
+
+class PoolExhaustedError(JcxlError, MemoryError):
+  """A tier (and every tier it may spill to) has no room for an object."""
+
+
+class UnknownHandleError(JcxlError, LookupError):
+  """A handle that this pool never issued, or whose object was freed."""
+
+
+class PoolClosedError(JcxlError, RuntimeError):
+  """The pool was closed; its objects and handles are gone."""
+
+
+class TransferTimeoutError(JcxlError, TimeoutError):
+  """A transfer did not finish within its deadline."""
+
+
+class TierIOError(JcxlError, OSError):
+  """The nvme tier's file system failed a read or a write."""
+
+
+class InternalError(JcxlError, RuntimeError):
+  """A jcxl bug or an unexpected system failure."""
+
+
+# Indexed by the C++ core's jcxl::Code (ffi/status.h).
+_BY_CODE = {
+    1: ValueError,
+    2: UnknownHandleError,
+    3: PoolExhaustedError,
+    4: PoolClosedError,
+    5: TransferTimeoutError,
+    6: TierIOError,
+    7: InternalError,
+}
+
+
+def error_class(code: int) -> type[Exception]:
+  """The exception class for a C++ status code (used by the extension)."""
+  return _BY_CODE.get(code, InternalError)

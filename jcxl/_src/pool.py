@@ -1,0 +1,585 @@
+"""The Python face of the jcxl pool: tiers, objects, handles and stats.
+
+A pool holds tensors outside the accelerator in up to three tiers:
+
+* ``host``: DRAM on the NUMA node nearest the device;
+* ``cxl``: CXL memory expanders (CPU-less NUMA nodes), interleaved by their
+  bandwidth; where the machine has none, *emulated* on local DRAM behind a
+  link model (bandwidth cap and per-transfer latency) that every report names;
+* ``nvme``: a file in a private directory, read and written with O_DIRECT.
+
+Objects are addressed by int32 handles that stay valid across ``compact()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jcxl import _jcxl
+from jcxl._src import topology as topology_lib
+from jcxl._src.units import format_bandwidth
+from jcxl._src.units import format_bytes
+from jcxl._src.units import parse_bandwidth
+from jcxl._src.units import parse_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class Tier(str, enum.Enum):
+  """A pool tier (also a jcxl memory kind)."""
+  HOST = "host"
+  CXL = "cxl"
+  NVME = "nvme"
+
+  @property
+  def index(self) -> int:
+    return _TIER_INDEX[self]
+
+
+_TIER_INDEX = {Tier.HOST: 0, Tier.CXL: 1, Tier.NVME: 2}
+_TIERS_BY_INDEX = {i: t for t, i in _TIER_INDEX.items()}
+
+
+def as_tier(value: str | Tier, *, name: str = "tier") -> Tier:
+  """Validates a tier name."""
+  try:
+    return Tier(value)
+  except ValueError:
+    choices = ", ".join(repr(t.value) for t in Tier)
+    raise ValueError(f"{name} must be one of {choices}, but got {value!r}"
+                     ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+  """An emulated link: a bandwidth cap shared by all transfers, plus latency.
+
+  Attributes:
+    bandwidth: bytes per second (or a string such as '16GB/s').
+    latency_s: fixed time added to each transfer.
+  """
+  bandwidth: float | str
+  latency_s: float = 0.0
+
+  def __post_init__(self):
+    object.__setattr__(self, "bandwidth",
+                       parse_bandwidth(self.bandwidth, name="link bandwidth"))
+    if not self.latency_s >= 0:
+      raise ValueError(f"link latency_s must be >= 0, got {self.latency_s!r}")
+
+  def __str__(self) -> str:
+    return (f"{format_bandwidth(self.bandwidth)}, "
+            f"{self.latency_s * 1e6:.1f} us per transfer")
+
+
+# What an emulated cxl tier behaves like unless told otherwise: one CXL 2.0
+# x8 link (about 16 GB/s each way) with a couple of microseconds of software
+# and link latency per transfer.
+DEFAULT_CXL_LINK = LinkModel(bandwidth="16GB/s", latency_s=2e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+  """Where one pool object lives."""
+  handle: int
+  tier: Tier
+  node: int
+  offset: int
+  nbytes: int
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  slab: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+  """Occupancy and traffic of one tier (summed over its nodes)."""
+  tier: Tier
+  enabled: bool
+  capacity: int
+  reserved: int
+  live: int
+  free: int
+  largest_free: int
+  external_fragmentation: float
+  slab_objects: int
+  extent_objects: int
+  alloc_latency_mean_ns: float
+  alloc_latency_max_ns: int
+  bytes_read: int
+  bytes_written: int
+  nodes: tuple[int, ...]
+  emulated: bool
+  link: LinkModel | None
+  backing: tuple[str, ...]
+
+  @property
+  def objects(self) -> int:
+    return self.slab_objects + self.extent_objects
+
+  def label(self) -> str:
+    """The tier's name with how it is backed: 'cxl (EMULATED: ...)'."""
+    if self.tier is Tier.NVME:
+      return f"nvme ({', '.join(self.backing)})"
+    if not self.emulated:
+      return f"{self.tier.value} (nodes {list(self.nodes)})"
+    link = f"link {self.link}" if self.link else "no link model"
+    return (f"{self.tier.value} (EMULATED on DRAM of nodes "
+            f"{list(self.nodes)}, {link})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+  """A snapshot of every tier of a pool."""
+  pool_id: int
+  tiers: dict[Tier, TierStats]
+
+  def __getitem__(self, tier: str | Tier) -> TierStats:
+    return self.tiers[as_tier(tier)]
+
+  @property
+  def emulated(self) -> tuple[Tier, ...]:
+    return tuple(t for t, s in self.tiers.items() if s.enabled and s.emulated)
+
+  def __str__(self) -> str:
+    lines = [f"jcxl pool {self.pool_id}"]
+    for s in self.tiers.values():
+      if not s.enabled:
+        continue
+      lines.append(
+          f"  {s.label()}: {s.objects} objects, live "
+          f"{format_bytes(s.live)} / reserved {format_bytes(s.reserved)} / "
+          f"capacity {format_bytes(s.capacity)}, fragmentation "
+          f"{s.external_fragmentation:.1%}, read {format_bytes(s.bytes_read)},"
+          f" written {format_bytes(s.bytes_written)}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferRecord:
+  """One finished copy-engine request (times on the engine's clock, ns)."""
+  id: int
+  handle: int
+  tier: Tier
+  node: int
+  to_pool: bool
+  nbytes: int
+  priority: int
+  queued_ns: int
+  started_ns: int
+  finished_ns: int
+  ok: bool
+
+  @classmethod
+  def from_tuple(cls, raw: Sequence[Any]) -> TransferRecord:
+    (id_, handle, tier, node, direction, nbytes, priority, queued, started,
+     finished, ok) = raw
+    return cls(id_, handle, _TIERS_BY_INDEX[tier], node, direction == 0,
+               nbytes, priority, queued, started, finished, ok)
+
+  @property
+  def seconds(self) -> float:
+    return (self.finished_ns - self.started_ns) * 1e-9
+
+
+class Transfer:
+  """An asynchronous copy in flight; ``wait()`` until it is done.
+
+  It keeps the host buffer alive for as long as the copy may touch it.
+  """
+
+  def __init__(self, ticket: Any, buffer: np.ndarray, timeout_s: float):
+    self._ticket = ticket
+    self._buffer = buffer
+    self._timeout_s = timeout_s
+
+  def done(self) -> bool:
+    return self._ticket.done()
+
+  def wait(self, timeout_s: float | None = None) -> np.ndarray:
+    """Waits for the copy and returns its host buffer.
+
+    Raises:
+      TransferTimeoutError: the copy did not finish within `timeout_s`.
+    """
+    self._ticket.wait(self._timeout_s if timeout_s is None else timeout_s)
+    return self._buffer
+
+  @property
+  def record(self) -> TransferRecord:
+    return TransferRecord.from_tuple(self._ticket.record())
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+  return dtype.name
+
+
+def _dtype_from_name(name: str) -> np.dtype:
+  if hasattr(ml_dtypes, name):
+    return np.dtype(getattr(ml_dtypes, name))
+  return np.dtype(name)
+
+
+def _storable(dtype: np.dtype) -> bool:
+  """Numbers and bools, including ml_dtypes' (bfloat16, float8...)."""
+  if dtype.kind in "biufc":
+    return True
+  return dtype.kind == "V" and dtype.fields is None and hasattr(
+      ml_dtypes, dtype.name)
+
+
+def _as_host_array(array: Any) -> np.ndarray:
+  value = np.asarray(array)
+  if not _storable(value.dtype):
+    raise TypeError(
+        f"the pool stores numeric arrays; dtype {value.dtype} cannot be "
+        "stored")
+  return np.ascontiguousarray(value)
+
+
+def _private_dir(base: str | os.PathLike) -> str:
+  """Validates the user's nvme directory and makes the pool's own in it."""
+  base = os.fspath(base)
+  if os.path.islink(base):
+    raise ValueError(f"nvme_dir {base!r} is a symbolic link; pass the real "
+                     f"directory ({os.path.realpath(base)!r})")
+  if not os.path.isdir(base):
+    raise ValueError(f"nvme_dir {base!r} does not exist or is not a directory")
+  if not os.access(base, os.W_OK | os.X_OK):
+    raise ValueError(f"nvme_dir {base!r} is not writable by this process")
+  path = tempfile.mkdtemp(prefix="jcxl-pool-", dir=base)  # mode 0700
+  os.chmod(path, stat.S_IRWXU)
+  return path
+
+
+class Pool:
+  """A tiered memory pool outside the accelerator.
+
+  Example:
+    >>> import numpy as np, jcxl
+    >>> with jcxl.Pool(host="64MiB", cxl="256MiB") as pool:
+    ...   h = pool.put(np.arange(1024, dtype=np.float32), tier="cxl")
+    ...   back = pool.get(h)
+    >>> back[:3]
+    array([0., 1., 2.], dtype=float32)
+
+  Args:
+    host: capacity of the ``host`` tier (DRAM on the device's node); 0: off.
+    cxl: capacity of the ``cxl`` tier; 0: off.
+    nvme: capacity of the ``nvme`` tier; 0: off.
+    nvme_dir: directory for the nvme tier; the pool makes a private (0700)
+      directory inside it and removes it on close unless `keep_nvme_files`.
+    cxl_link: link model of an emulated cxl tier (default
+      ``DEFAULT_CXL_LINK``); used only where no CXL node exists, unless
+      `emulate_cxl` forces emulation.
+    emulate_cxl: emulate the cxl tier even where CXL nodes exist.
+    spill: when a tier is full, place objects in the next one
+      (host -> cxl -> nvme) instead of raising ``PoolExhaustedError``.
+    copy_threads: copy-engine worker threads.
+    chunk_bytes: size of the pieces large copies are split into.
+    topology: the machine's NUMA topology (default: discovered from /sys).
+    node: NUMA node of the device the pool serves (default: this process's).
+    timeout_s: default deadline of each transfer and of ``close()``.
+  """
+
+  def __init__(self,
+               *,
+               host: int | str = "1GiB",
+               cxl: int | str = "4GiB",
+               nvme: int | str = 0,
+               nvme_dir: str | os.PathLike | None = None,
+               keep_nvme_files: bool = False,
+               cxl_link: LinkModel | None = None,
+               emulate_cxl: bool = False,
+               spill: bool = False,
+               copy_threads: int = 2,
+               chunk_bytes: int | str = "4MiB",
+               topology: topology_lib.Topology | None = None,
+               node: int | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S):
+    capacities = {
+        Tier.HOST: parse_bytes(host, name="host"),
+        Tier.CXL: parse_bytes(cxl, name="cxl"),
+        Tier.NVME: parse_bytes(nvme, name="nvme"),
+    }
+    if not any(capacities.values()):
+      raise ValueError("a pool needs at least one tier with a capacity > 0")
+    if not isinstance(copy_threads, int) or copy_threads < 1:
+      raise ValueError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
+    chunk = parse_bytes(chunk_bytes, name="chunk_bytes")
+    if chunk < 4096:
+      raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes!r}")
+    if cxl_link is not None and not isinstance(cxl_link, LinkModel):
+      raise TypeError(f"cxl_link must be a jcxl.LinkModel, got {cxl_link!r}")
+    if not timeout_s > 0:
+      raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    self._timeout_s = float(timeout_s)
+    self.topology = topology or topology_lib.discover()
+    if node is None:
+      node = topology_lib.node_of_current_process(self.topology)
+    self.topology.node(node)  # validates the id
+    self.node = node
+
+    config = _jcxl.PoolConfig()
+    config.spill = bool(spill)
+    config.copy_threads = copy_threads
+    config.chunk_bytes = chunk
+    config.copy_cpus = list(self.topology.node(
+        self.topology.nearest_memory_node(node)).cpus or
+                            self.topology.node(node).cpus)
+    self._links: dict[Tier, LinkModel | None] = {}
+    self._nvme_dir = None
+    for tier, capacity in capacities.items():
+      tier_config = _jcxl.TierConfig()
+      tier_config.capacity = capacity
+      if capacity:
+        self._configure_tier(tier, tier_config, cxl_link, emulate_cxl)
+      config.set_tier(tier.index, tier_config)
+      if capacity and tier is Tier.NVME:
+        self._nvme_dir = _private_dir(nvme_dir or tempfile.gettempdir())
+        config.nvme_dir = self._nvme_dir
+        config.keep_nvme_files = bool(keep_nvme_files)
+    self._keep_nvme_files = bool(keep_nvme_files)
+    try:
+      self._pool = _jcxl.Pool.create(config)
+    except BaseException:
+      self._remove_nvme_dir()
+      raise
+    self.id = self._pool.id
+    for tier in self.stats().emulated:
+      logger.info("jcxl pool %d: %s", self.id, self.stats()[tier].label())
+
+  def _configure_tier(self, tier: Tier, config: Any,
+                      cxl_link: LinkModel | None, emulate_cxl: bool) -> None:
+    home = self.topology.nearest_memory_node(self.node)
+    if tier is Tier.HOST:
+      config.nodes = [home]
+    elif tier is Tier.CXL:
+      cxl_nodes = self.topology.nearest_cxl_nodes(self.node)
+      if cxl_nodes and not emulate_cxl:
+        config.nodes = list(cxl_nodes)
+        config.weights = [self._node_weight(n) for n in cxl_nodes]
+        if cxl_link is not None:  # an extra cap the user asked for
+          self._set_link(config, tier, cxl_link)
+      else:
+        config.nodes = [home]
+        config.emulated = True
+        self._set_link(config, tier, cxl_link or DEFAULT_CXL_LINK)
+
+  def _node_weight(self, node: int) -> float:
+    hmat = self.topology.node(node).hmat
+    if hmat and hmat.read_bandwidth_mbps:
+      return float(hmat.read_bandwidth_mbps)
+    return 1.0
+
+  def _set_link(self, config: Any, tier: Tier, link: LinkModel) -> None:
+    config.link_bytes_per_second = link.bandwidth
+    config.link_latency_ns = int(link.latency_s * 1e9)
+    self._links[tier] = link
+
+  # ------------------------------------------------------------ objects
+
+  def allocate(self, shape: Sequence[int], dtype: Any,
+               tier: str | Tier = "cxl") -> int:
+    """Reserves an object of `shape` and `dtype` without writing it."""
+    tier = as_tier(tier)
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+      raise ValueError(f"shape must not have negative sizes, got {shape}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes <= 0:
+      raise ValueError(f"cannot store an empty object (shape {shape}, "
+                       f"{dtype.name}): it has 0 bytes")
+    return self._pool.allocate(tier.index, nbytes, list(shape),
+                               _dtype_name(dtype))
+
+  def put(self, array: Any, tier: str | Tier = "cxl", *,
+          priority: int = 0) -> int:
+    """Stores a copy of `array` in `tier`; returns its handle.
+
+    Raises:
+      PoolExhaustedError: the tier is full (and spilling is off or also full).
+      ValueError: `array` is empty or `tier` is unknown.
+    """
+    host = _as_host_array(array)
+    if host.nbytes == 0:
+      raise ValueError(f"cannot store an empty array (shape {host.shape})")
+    handle = self.allocate(host.shape, host.dtype, tier)
+    try:
+      self.put_async(handle, host, priority=priority).wait()
+    except BaseException:
+      self._pool.free(handle, self._timeout_s)
+      raise
+    return handle
+
+  def put_async(self, handle: int, array: Any, *, offset: int = 0,
+                priority: int = 0, chunk_bytes: int = 0) -> Transfer:
+    """Starts writing `array`'s bytes into object `handle` at byte `offset`."""
+    host = _as_host_array(array)
+    ticket = self._pool.write(handle, host.ctypes.data, host.nbytes, offset,
+                              priority, chunk_bytes)
+    return Transfer(ticket, host, self._timeout_s)
+
+  def get(self, handle: int, out: np.ndarray | None = None, *,
+          priority: int = 0) -> np.ndarray:
+    """Returns a copy of object `handle` as a numpy array (into `out`)."""
+    return self.get_async(handle, out, priority=priority).wait()
+
+  def get_async(self, handle: int, out: np.ndarray | None = None, *,
+                priority: int = 0, chunk_bytes: int = 0) -> Transfer:
+    """Starts reading object `handle` into `out` (or a new array).
+
+    Raises:
+      ValueError: `out` does not match the object's shape or dtype.
+      UnknownHandleError: `handle` is unknown or freed.
+    """
+    info = self.info(handle)
+    if out is None:
+      out = np.empty(info.shape, info.dtype)
+    else:
+      if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+      if out.shape != info.shape or out.dtype != info.dtype:
+        raise ValueError(
+            f"out has shape {out.shape} and dtype {out.dtype}, but handle "
+            f"{handle} holds shape {info.shape} and dtype {info.dtype}")
+      if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be a writeable C-contiguous array")
+    ticket = self._pool.read(handle, out.ctypes.data, info.nbytes, 0,
+                             priority, chunk_bytes)
+    return Transfer(ticket, out, self._timeout_s)
+
+  def read_bytes_async(self, handle: int, out: np.ndarray, *, offset: int = 0,
+                       priority: int = 0, chunk_bytes: int = 0) -> Transfer:
+    """Starts reading `out.nbytes` bytes of the object from byte `offset`."""
+    if not out.flags.c_contiguous or not out.flags.writeable:
+      raise ValueError("out must be a writeable C-contiguous array")
+    ticket = self._pool.read(handle, out.ctypes.data, out.nbytes, offset,
+                             priority, chunk_bytes)
+    return Transfer(ticket, out, self._timeout_s)
+
+  def free(self, handle: int) -> None:
+    """Frees an object, after its transfers in flight are done."""
+    self._pool.free(handle, self._timeout_s)
+
+  def info(self, handle: int) -> ObjectInfo:
+    raw = self._pool.info(handle)
+    return ObjectInfo(handle=raw["handle"], tier=_TIERS_BY_INDEX[raw["tier"]],
+                      node=raw["node"], offset=raw["offset"],
+                      nbytes=raw["bytes"], shape=tuple(raw["shape"]),
+                      dtype=_dtype_from_name(raw["dtype"]), slab=raw["slab"])
+
+  def handles(self) -> list[int]:
+    return list(self._pool.handles())
+
+  def page_nodes(self, handle: int, *, touch: bool = False) -> np.ndarray:
+    """The NUMA node of each page of a memory-tier object (move_pages).
+
+    Pages not yet backed by memory report a negative errno (-2, ENOENT).
+    """
+    del touch
+    return np.asarray(self._pool.page_nodes(handle), dtype=np.int32)
+
+  def compact(self) -> None:
+    """Moves objects so that no holes remain; handles stay valid."""
+    self._pool.compact(self._timeout_s)
+
+  # -------------------------------------------------------------- state
+
+  def stats(self) -> PoolStats:
+    tiers = {}
+    for raw in self._pool.stats():
+      tier = _TIERS_BY_INDEX[raw["tier"]]
+      arenas = raw["arenas"]
+      allocations = sum(a["allocations"] for a in arenas)
+      tiers[tier] = TierStats(
+          tier=tier,
+          enabled=raw["enabled"],
+          capacity=sum(a["capacity"] for a in arenas),
+          reserved=sum(a["reserved"] for a in arenas),
+          live=sum(a["live"] for a in arenas),
+          free=sum(a["capacity"] - a["reserved"] + a["hole_bytes"]
+                   for a in arenas),
+          largest_free=max((a["largest_free"] for a in arenas), default=0),
+          external_fragmentation=(
+              sum(a["hole_bytes"] for a in arenas) /
+              max(1, sum(a["reserved"] for a in arenas))),
+          slab_objects=sum(a["slab_objects"] for a in arenas),
+          extent_objects=sum(a["extent_objects"] for a in arenas),
+          alloc_latency_mean_ns=(
+              sum(a["alloc_ns_total"] for a in arenas) / allocations
+              if allocations else 0.0),
+          alloc_latency_max_ns=max((a["alloc_ns_max"] for a in arenas),
+                                   default=0),
+          bytes_read=raw["bytes_read"],
+          bytes_written=raw["bytes_written"],
+          nodes=tuple(a["node"] for a in arenas),
+          emulated=raw["emulated"],
+          link=(LinkModel(raw["link_bytes_per_second"],
+                          raw["link_latency_ns"] * 1e-9)
+                if raw["link_bytes_per_second"] > 0 else None),
+          backing=tuple(a["description"] for a in arenas),
+      )
+    return PoolStats(pool_id=self.id, tiers=tiers)
+
+  def transfer_records(self) -> list[TransferRecord]:
+    """Copy-engine records finished since the last call, oldest first."""
+    return [TransferRecord.from_tuple(r) for r in self._pool.drain_records()]
+
+  def set_link(self, tier: str | Tier, link: LinkModel) -> None:
+    """Changes a tier's emulated link mid-run (e.g. a shared, slower link)."""
+    tier = as_tier(tier)
+    if not isinstance(link, LinkModel):
+      raise TypeError(f"link must be a jcxl.LinkModel, got {link!r}")
+    self._pool.set_link(tier.index, link.bandwidth,
+                        int(link.latency_s * 1e9))
+    self._links[tier] = link
+
+  @property
+  def closed(self) -> bool:
+    return self._pool.closed
+
+  @property
+  def nvme_dir(self) -> str | None:
+    """The pool's private nvme directory, if the tier is on."""
+    return self._nvme_dir
+
+  def close(self) -> None:
+    """Releases every tier; raises ``PoolClosedError`` if already closed."""
+    try:
+      self._pool.close(self._timeout_s)
+    finally:
+      self._remove_nvme_dir()
+
+  def _remove_nvme_dir(self) -> None:
+    if self._nvme_dir and not self._keep_nvme_files:
+      shutil.rmtree(self._nvme_dir, ignore_errors=True)
+
+  def __enter__(self) -> Pool:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    if not self.closed:
+      self.close()
+
+  def __repr__(self) -> str:
+    if self.closed:
+      return f"jcxl.Pool(id={self.id}, closed)"
+    stats = self.stats()
+    tiers = ", ".join(s.label() + f" {format_bytes(s.capacity)}"
+                      for s in stats.tiers.values() if s.enabled)
+    return f"jcxl.Pool(id={self.id}, {tiers})"
