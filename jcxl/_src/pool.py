@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from jcxl import _jcxl
+from jcxl._src import registry
 from jcxl._src import topology as topology_lib
 from jcxl._src.units import format_bandwidth
 from jcxl._src.units import format_bytes
@@ -250,6 +251,22 @@ def _as_host_array(array: Any) -> np.ndarray:
   return np.ascontiguousarray(value)
 
 
+# Host buffers the pool allocates start on a huge-page boundary: O_DIRECT
+# reads of the nvme tier then land in them without a bounce copy.
+_BUFFER_ALIGNMENT = 2 << 20
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+  """An uninitialized C-contiguous array whose data is 2 MiB aligned."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  if nbytes < _BUFFER_ALIGNMENT:
+    return np.empty(shape, dtype)
+  raw = np.empty(nbytes + _BUFFER_ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % _BUFFER_ALIGNMENT
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def _private_dir(base: str | os.PathLike) -> str:
   """Validates the user's nvme directory and makes the pool's own in it."""
   base = os.fspath(base)
@@ -260,7 +277,11 @@ def _private_dir(base: str | os.PathLike) -> str:
     raise ValueError(f"nvme_dir {base!r} does not exist or is not a directory")
   if not os.access(base, os.W_OK | os.X_OK):
     raise ValueError(f"nvme_dir {base!r} is not writable by this process")
-  path = tempfile.mkdtemp(prefix="jcxl-pool-", dir=base)  # mode 0700
+  try:
+    path = tempfile.mkdtemp(prefix="jcxl-pool-", dir=base)  # mode 0700
+  except OSError as e:
+    raise ValueError(f"nvme_dir {base!r} is not writable by this process: "
+                     f"{e.strerror}") from e
   os.chmod(path, stat.S_IRWXU)
   return path
 
@@ -359,6 +380,7 @@ class Pool:
       self._remove_nvme_dir()
       raise
     self.id = self._pool.id
+    registry.add_pool(self)
     for tier in self.stats().emulated:
       logger.info("jcxl pool %d: %s", self.id, self.stats()[tier].label())
 
@@ -449,7 +471,7 @@ class Pool:
     """
     info = self.info(handle)
     if out is None:
-      out = np.empty(info.shape, info.dtype)
+      out = aligned_empty(info.shape, info.dtype)
     else:
       if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")

@@ -16,7 +16,7 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+_PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 
 
 def parse_bytes(value: int | float | str, *, name: str = "size") -> int:

@@ -1,0 +1,36 @@
+# One entry point. `make demo` and `make test` set everything up first
+# (a virtual environment in .venv, the C++ extension built into it).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+# Build requirements (pyproject's [build-system]); installed into the venv so
+# that rebuilds after an edit take seconds, without build isolation.
+BUILD_REQS := "scikit-build-core>=0.10" "nanobind>=2.4" cmake ninja jax jaxlib
+
+.PHONY: setup demo test test-python test-cpp clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.build-reqs: | $(PY)
+	$(PY) -m pip install -q $(BUILD_REQS)
+	touch $@
+
+setup: $(VENV)/.build-reqs
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]"
+
+demo: setup
+	$(PY) -m experiments.pool_bandwidth
+
+test: setup test-cpp test-python
+
+test-python:
+	$(PY) -m pytest -q
+
+test-cpp:
+	bash tools/cpp_tests.sh
+
+clean:
+	rm -rf build

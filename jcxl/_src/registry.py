@@ -1,0 +1,45 @@
+"""Open pools by id, so that a PoolArray (which carries only its pool's id,
+a static value under jit) can find its pool, and FFI targets registration."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import jax
+
+from jcxl import _jcxl
+from jcxl._src import errors
+
+if TYPE_CHECKING:
+  from jcxl._src.pool import Pool
+
+_pools: weakref.WeakValueDictionary[int, Pool] = weakref.WeakValueDictionary()
+_lock = threading.Lock()
+_ffi_registered = False
+
+
+def add_pool(pool: Pool) -> None:
+  with _lock:
+    _pools[pool.id] = pool
+
+
+def find_pool(pool_id: int, *, what: str = "a PoolArray") -> Pool:
+  """The open pool with this id, or PoolClosedError naming `what`."""
+  pool = _pools.get(pool_id)
+  if pool is None or pool.closed:
+    raise errors.PoolClosedError(
+        f"{what} lives in pool {pool_id}, which is closed; its data is gone")
+  return pool
+
+
+def register_ffi_targets() -> None:
+  """Registers jcxl's XLA FFI targets for the CPU platform (once)."""
+  global _ffi_registered
+  with _lock:
+    if _ffi_registered:
+      return
+    for name, capsule in _jcxl.registrations().items():
+      jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    _ffi_registered = True
