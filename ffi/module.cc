@@ -14,6 +14,7 @@
 
 #include "allocator.h"
 #include "pool.h"
+#include "stream_handlers.h"
 
 namespace nb = nanobind;
 
@@ -327,4 +328,14 @@ NB_MODULE(_jcxl, m) {
       .def("stats", &ReplayAllocator::Stats);
 
   m.def("now_ns", &NowNs, "The copy engine's clock (steady, ns).");
+
+  // XLA FFI targets, registered for the CPU platform by jcxl/__init__.py.
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["jcxl_fetch_start"] = nb::capsule(reinterpret_cast<void*>(kFetchStart));
+    targets["jcxl_fetch_done"] = nb::capsule(reinterpret_cast<void*>(kFetchDone));
+    targets["jcxl_store_start"] = nb::capsule(reinterpret_cast<void*>(kStoreStart));
+    targets["jcxl_store_done"] = nb::capsule(reinterpret_cast<void*>(kStoreDone));
+    return targets;
+  });
 }

@@ -1,0 +1,29 @@
+// XLA FFI handlers that stream pool objects into and out of a jitted step,
+// as pairs that overlap the copy with compute (the pattern XLA's own
+// copy-start / copy-done follows; see DESIGN.md):
+//
+//   jcxl_fetch_start(handle, index, after) -> buffer   queue pool -> buffer
+//   jcxl_fetch_done(buffer) -> buffer (aliased)        wait for that copy
+//   jcxl_store_start(handle, index, buffer, after) -> buffer (aliased)
+//   jcxl_store_done(buffer) -> token                   wait for that copy
+//
+// `after` is ignored by the handler: it is a data dependency that keeps XLA
+// from issuing the transfer before the value it names exists, which bounds
+// how many streamed buffers are live at once. Handlers reach pools through
+// Pool::Find(pool_id); copies in flight are keyed by their buffer's address,
+// so a `done` that receives a copy of the buffer fails loudly.
+#ifndef JCXL_FFI_STREAM_HANDLERS_H_
+#define JCXL_FFI_STREAM_HANDLERS_H_
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jcxl {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchDone);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kStoreStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kStoreDone);
+
+}  // namespace jcxl
+
+#endif  // JCXL_FFI_STREAM_HANDLERS_H_

@@ -1,0 +1,237 @@
+"""Memory kinds per pytree leaf: ``place`` a tree into the pool, ``gather``
+it back.
+
+Memory kinds:
+  ``device``       an ordinary jax.Array on the device;
+  ``pinned_host``  a jax.Array in JAX's own pinned host memory kind;
+  ``host``         a PoolArray in jcxl's DRAM tier;
+  ``cxl``          a PoolArray in the CXL tier (emulated where absent);
+  ``nvme``         a PoolArray in the NVMe file tier.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jcxl._src import registry
+from jcxl._src import topology as topology_lib
+from jcxl._src.pool import Pool
+from jcxl._src.pool import Tier
+from jcxl._src.pool_array import PoolArray
+from jcxl._src.pool_array import device_grid
+
+MEMORY_KINDS = ("device", "pinned_host", "host", "cxl", "nvme")
+POOL_KINDS = ("host", "cxl", "nvme")
+Rules = Sequence[tuple[str, str]]
+
+
+def check_kind(kind: Any, where: str = "") -> str:
+  if kind not in MEMORY_KINDS:
+    choices = ", ".join(repr(k) for k in MEMORY_KINDS)
+    at = f" (for leaf {where})" if where else ""
+    raise ValueError(
+        f"memory_kind must be one of {choices}, but got {kind!r}{at}")
+  return kind
+
+
+def _is_rules(kinds: Any) -> bool:
+  return (isinstance(kinds, (list, tuple)) and bool(kinds) and all(
+      isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
+      for r in kinds))
+
+
+def resolve_kinds(tree: Any, kinds: str | Rules | Any) -> list[str]:
+  """The memory kind of every leaf of `tree`, in flattening order.
+
+  Args:
+    kinds: one kind for all leaves; ordered ``(regex, kind)`` rules matched
+      with ``re.search`` against each leaf's path (``jax.tree_util.keystr``,
+      e.g. ``"['layers'][0]['kernel']"``), first match wins; or a pytree of
+      kinds with the structure of `tree` (or a prefix of it).
+  """
+  leaves_with_paths = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, PoolArray))[0]
+  paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
+  if isinstance(kinds, str):
+    return [check_kind(kinds, path) for path in paths]
+  if _is_rules(kinds):
+    compiled = []
+    for pattern, kind in kinds:
+      try:
+        compiled.append((re.compile(pattern), check_kind(kind)))
+      except re.error as e:
+        raise ValueError(f"bad placement rule pattern {pattern!r}: {e}"
+                         ) from None
+    out = []
+    for path in paths:
+      for regex, kind in compiled:
+        if regex.search(path):
+          out.append(kind)
+          break
+      else:
+        raise ValueError(
+            f"no placement rule matches leaf {path}; add a catch-all rule "
+            "such as ('.*', 'device')")
+    return out
+  try:
+    expanded = jax.tree_util.tree_map(
+        lambda k, sub: [k] * len(jax.tree_util.tree_leaves(
+            sub, is_leaf=lambda x: isinstance(x, PoolArray))),
+        kinds, tree, is_leaf=lambda x: isinstance(x, PoolArray))
+  except ValueError as e:
+    raise ValueError(
+        "kinds must be a memory kind, a list of (regex, kind) rules, or a "
+        f"pytree of kinds matching the tree's structure: {e}") from None
+  flat = [k for ks in jax.tree_util.tree_leaves(expanded) for k in ks]
+  return [check_kind(k, path) for k, path in zip(flat, paths)]
+
+
+def _default_sharding(leaf: Any) -> jax.sharding.Sharding:
+  sharding = getattr(leaf, "sharding", None)
+  if isinstance(sharding, (jax.sharding.NamedSharding,
+                           jax.sharding.SingleDeviceSharding)):
+    return sharding.with_memory_kind("device") if isinstance(
+        sharding, jax.sharding.NamedSharding) else sharding
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _check_devices(pool: Pool, devices: np.ndarray, path: str) -> None:
+  for device in devices.flat:
+    node = topology_lib.device_node(device, pool.topology)
+    if node != pool.node:
+      raise ValueError(
+          f"leaf {path}: device {device} is nearest NUMA node {node}, but "
+          f"pool {pool.id} serves node {pool.node}; use a pool per node")
+
+
+def to_pool(leaf: Any, tier: Tier, pool: Pool,
+            sharding: jax.sharding.Sharding, path: str) -> PoolArray:
+  """Stores `leaf` in `pool`, one object per device of `sharding`."""
+  value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+  devices, handle_sharding = device_grid(sharding)
+  _check_devices(pool, devices, path)
+  index_map = sharding.devices_indices_map(tuple(value.shape))
+  handles = np.zeros(devices.shape, np.int32)
+  local = []
+  local_ids = {d.id for d in jax.local_devices()}
+  shards = {}
+  if isinstance(value, jax.Array):
+    shards = {s.device.id: s.data for s in value.addressable_shards}
+  try:
+    for position, device in np.ndenumerate(devices):
+      if device.id not in local_ids:
+        continue
+      shard = shards.get(device.id)
+      if shard is None or shard.shape != sharding.shard_shape(value.shape):
+        shard = np.asarray(value)[index_map[device]]
+      handle = pool.put(np.asarray(shard), tier)
+      handles[position] = handle
+      local.append((device.id, handle))
+  except BaseException:
+    for _, handle in local:
+      pool.free(handle)
+    raise
+  handle_array = jax.make_array_from_callback(
+      handles.shape, handle_sharding, lambda index: handles[index])
+  return PoolArray(handle_array, pool_id=pool.id, shape=value.shape,
+                   dtype=value.dtype, sharding=sharding, tier=tier,
+                   path=path, local_handles=tuple(local))
+
+
+def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
+          pool: Pool | None = None,
+          sharding: jax.sharding.Sharding | Any | None = None) -> Any:
+  """Puts each leaf of `tree` where its memory kind says.
+
+  ``device`` and ``pinned_host`` leaves stay ``jax.Array``s (the latter in
+  JAX's pinned host memory); ``host``, ``cxl`` and ``nvme`` leaves become
+  ``PoolArray``s, stored one object per device shard.
+
+  Example:
+    >>> pool = jcxl.Pool(host="256MiB", cxl="1GiB")
+    >>> params = jcxl.place(params, [(r"embed", "host"), (r".*", "cxl")],
+    ...                     pool=pool)
+
+  Args:
+    tree: a pytree of arrays.
+    kinds: a memory kind for every leaf, ordered ``(regex, kind)`` rules on
+      leaf paths, or a pytree of kinds (see ``resolve_kinds``).
+    pool: the pool for ``host``, ``cxl`` and ``nvme`` leaves.
+    sharding: a ``jax.sharding.Sharding`` for every leaf or a pytree of
+      them; default: each leaf's own sharding, else the first device.
+
+  Returns:
+    A tree of the same structure with ``jax.Array`` and ``PoolArray`` leaves.
+
+  Raises:
+    ValueError: an unknown memory kind, no pool for a pool kind, or a
+      sharding whose devices are not near the pool's NUMA node.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, PoolArray))
+  kinds_flat = resolve_kinds(tree, kinds)
+  if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+    shardings = [sharding] * len(flat)
+  else:
+    shardings = treedef.flatten_up_to(sharding)
+  if pool is None and any(k in POOL_KINDS for k in kinds_flat):
+    raise ValueError("memory kinds 'host', 'cxl' and 'nvme' need a pool: "
+                     "pass pool=jcxl.Pool(...)")
+  if pool is not None:
+    registry.find_pool(pool.id, what="place()")
+  out = []
+  placed: list[PoolArray] = []
+  try:
+    for (path, leaf), kind, leaf_sharding in zip(flat, kinds_flat, shardings):
+      name = jax.tree_util.keystr(path)
+      if isinstance(leaf, PoolArray):
+        if leaf.memory_kind != kind:
+          raise ValueError(
+              f"leaf {name} is already in the pool ({leaf.memory_kind}); "
+              f"gather it before placing it as {kind!r}")
+        out.append(leaf)
+        continue
+      leaf_sharding = leaf_sharding or _default_sharding(leaf)
+      if kind == "device":
+        out.append(jax.device_put(leaf, leaf_sharding))
+      elif kind == "pinned_host":
+        out.append(jax.device_put(
+            leaf, leaf_sharding.with_memory_kind("pinned_host")))
+      else:
+        array = to_pool(leaf, Tier(kind), pool, leaf_sharding, name)
+        placed.append(array)
+        out.append(array)
+  except BaseException:
+    for array in placed:
+      array.delete()
+    raise
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def gather_one(array: PoolArray) -> jax.Array:
+  """Reads a PoolArray's objects back into a jax.Array with its sharding."""
+  pool = array.pool
+  by_device = dict(array.local_handles)
+  devices, _ = device_grid(array.sharding)
+  shards = []
+  for device in devices.flat:
+    if device.id in by_device:
+      shards.append(jax.device_put(pool.get(by_device[device.id]), device))
+  return jax.make_array_from_single_device_arrays(array.shape, array.sharding,
+                                                  shards)
+
+
+def gather(tree: Any) -> Any:
+  """Brings every PoolArray of `tree` back as a ``jax.Array``.
+
+  Example:
+    >>> params = jcxl.gather(params)  # ordinary arrays again
+  """
+  return jax.tree_util.tree_map(
+      lambda x: gather_one(x) if isinstance(x, PoolArray) else x, tree,
+      is_leaf=lambda x: isinstance(x, PoolArray))

@@ -1,0 +1,151 @@
+"""PoolArray: an array whose bytes live in a jcxl pool, one object per shard.
+
+A PoolArray is a pytree whose only leaf is an int32 array of handles, one
+per device (laid out over the devices of its sharding, so that inside a
+``shard_map`` each device sees its own handle). Everything else (pool id,
+global shape, dtype, sharding, tier, the leaf's path and the concrete
+handles) is static: a step compiled for it is reused as long as it is the
+same objects, and errors are raised at trace time, naming the leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jcxl._src import registry
+from jcxl._src.pool import Tier
+from jcxl._src.units import format_bytes
+
+
+def device_grid(sharding: jax.sharding.Sharding
+                ) -> tuple[np.ndarray, jax.sharding.Sharding]:
+  """The devices of `sharding` as a grid, and the sharding of a handle grid.
+
+  Returns:
+    `devices`, an object array of devices (the mesh's shape for a
+    NamedSharding, shape (1,) for a single device), and the sharding that
+    places element `i` of an int32 array of that shape on `devices[i]`.
+  """
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    mesh = sharding.mesh
+    spec = jax.sharding.PartitionSpec(*mesh.axis_names)
+    return mesh.devices, jax.sharding.NamedSharding(mesh, spec)
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    (device,) = sharding.device_set
+    grid = np.empty((1,), dtype=object)
+    grid[0] = device
+    return grid, sharding
+  raise TypeError(
+      "a PoolArray's sharding must be a jax.sharding.NamedSharding or "
+      f"SingleDeviceSharding, but got {type(sharding).__name__}")
+
+
+def shard_shape(shape: tuple[int, ...], sharding: jax.sharding.Sharding
+                ) -> tuple[int, ...]:
+  return tuple(sharding.shard_shape(shape))
+
+
+@jax.tree_util.register_pytree_node_class
+class PoolArray:
+  """An array stored in a jcxl pool (tiers ``host``, ``cxl`` or ``nvme``).
+
+  Made by ``jcxl.place``; turned back into a ``jax.Array`` by
+  ``jcxl.gather``, or streamed into a jitted step by ``jcxl.fetch`` and
+  ``jcxl.cxl_offload``.
+
+  Example:
+    >>> pool = jcxl.Pool(host="64MiB", cxl="256MiB")
+    >>> w = jcxl.place(jnp.ones((512, 512)), "cxl", pool=pool)
+    >>> w
+    PoolArray(float32[512,512], cxl (EMULATED ...), pool 1, 1 shard)
+
+  Attributes:
+    handles: int32 array, one handle per device of `sharding`.
+    shape, dtype: of the whole (global) array.
+    sharding: how the array is split over devices; one object per device.
+    tier: the pool tier holding the objects.
+    path: the pytree path the array was placed from (for messages).
+  """
+
+  def __init__(self, handles: Any, *, pool_id: int, shape: Sequence[int],
+               dtype: Any, sharding: jax.sharding.Sharding, tier: Tier,
+               path: str, local_handles: tuple[tuple[int, int], ...]):
+    self.handles = handles
+    self.pool_id = pool_id
+    self.shape = tuple(int(d) for d in shape)
+    self.dtype = np.dtype(dtype)
+    self.sharding = sharding
+    self.tier = tier
+    self.path = path
+    # (device id, handle) for this process's devices: static, for checks.
+    self.local_handles = local_handles
+
+  # -------------------------------------------------------------- pytree
+
+  def tree_flatten(self):
+    return (self.handles,), (self.pool_id, self.shape, self.dtype,
+                             self.sharding, self.tier, self.path,
+                             self.local_handles)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    pool_id, shape, dtype, sharding, tier, path, local_handles = aux
+    return cls(children[0], pool_id=pool_id, shape=shape, dtype=dtype,
+               sharding=sharding, tier=tier, path=path,
+               local_handles=local_handles)
+
+  # ---------------------------------------------------------- properties
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * self.dtype.itemsize
+
+  @property
+  def memory_kind(self) -> str:
+    return self.tier.value
+
+  @property
+  def shard_shape(self) -> tuple[int, ...]:
+    return shard_shape(self.shape, self.sharding)
+
+  @property
+  def pool(self):
+    """The pool holding this array (PoolClosedError if it was closed)."""
+    return registry.find_pool(self.pool_id, what=self._what())
+
+  def aval(self) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
+
+  def delete(self) -> None:
+    """Frees this array's objects in the pool."""
+    pool = self.pool
+    for _, handle in self.local_handles:
+      pool.free(handle)
+
+  def _what(self) -> str:
+    return f"PoolArray {self.path or '(unnamed)'}"
+
+  def __repr__(self) -> str:
+    dims = ",".join(str(d) for d in self.shape)
+    shards = len(self.local_handles)
+    try:
+      where = self.pool.stats()[self.tier].label()
+    except Exception:  # a closed pool still prints
+      where = f"{self.tier.value} (pool closed)"
+    path = f", path={self.path}" if self.path else ""
+    shard_bytes = int(np.prod(self.shard_shape)) * self.dtype.itemsize
+    return (f"PoolArray({self.dtype.name}[{dims}], {where}, pool "
+            f"{self.pool_id}, {shards} shard{'s' * (shards != 1)} of "
+            f"{format_bytes(shard_bytes)}{path})")

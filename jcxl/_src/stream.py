@@ -1,0 +1,276 @@
+"""Streaming ops: fetch pool objects into a jitted step and store them back.
+
+Each transfer is a start/done pair of XLA FFI calls (see
+ffi/stream_handlers.h): compute placed between the two runs while the copy
+engine moves the bytes. ``fetch`` and ``store`` issue both halves;
+``fetch_start`` / ``fetch_done`` let a schedule put compute in between.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jcxl._src import errors
+from jcxl._src import registry
+from jcxl._src.pool_array import PoolArray
+from jcxl._src.pool_array import device_grid
+
+P = jax.sharding.PartitionSpec
+
+
+class Pending:
+  """A fetch in flight: pass it to ``fetch_done`` in the same loop body."""
+
+  def __init__(self, buffer: jax.Array, spec: P | None, mesh: Any):
+    self.buffer = buffer
+    self.spec = spec
+    self.mesh = mesh
+
+
+def _checked(x: Any, op: str) -> tuple[PoolArray, Any]:
+  """Trace-time checks of a PoolArray operand; returns it and its pool."""
+  if not isinstance(x, PoolArray):
+    raise TypeError(f"jcxl.{op} takes a jcxl.PoolArray, but got "
+                    f"{type(x).__name__}; place the value with jcxl.place")
+  pool = registry.find_pool(x.pool_id, what=x._what())
+  for _, handle in x.local_handles:
+    try:
+      info = pool.info(handle)
+    except errors.UnknownHandleError:
+      raise errors.UnknownHandleError(
+          f"{x._what()}: its object (handle {handle}) was freed") from None
+    if info.shape != x.shard_shape or info.dtype != x.dtype:
+      raise ValueError(
+          f"{x._what()}: object {handle} holds {info.dtype}{list(info.shape)}"
+          f" but the PoolArray expects {x.dtype}{list(x.shard_shape)}")
+  return x, pool
+
+
+def _local_shape(x: PoolArray, stacked: bool) -> tuple[int, ...]:
+  shape = x.shard_shape
+  return shape[1:] if stacked else shape
+
+
+def _index(index: Any, x: PoolArray) -> tuple[jax.Array, bool]:
+  if index is None:
+    return jnp.zeros((), jnp.int32), False
+  if x.ndim == 0:
+    raise ValueError(f"{x._what()} is a scalar; it has no slices to index")
+  if isinstance(x.sharding, jax.sharding.NamedSharding):
+    spec = tuple(x.sharding.spec) + (None,) * x.ndim
+    if spec[0] is not None:
+      raise ValueError(
+          f"{x._what()}: slicing along axis 0 needs that axis unsharded, but "
+          f"the sharding is {x.sharding.spec}")
+  index = jnp.asarray(index)
+  if index.shape != () or not jnp.issubdtype(index.dtype, jnp.integer):
+    raise TypeError(f"index must be an integer scalar, got {index.dtype}"
+                    f"{list(index.shape)}")
+  return index.astype(jnp.int32), True
+
+
+def _dependency(after: Any, sharded: bool) -> jax.Array:
+  """The "not before" operand: a value the transfer must wait for."""
+  if after is None:
+    return jnp.zeros((), jnp.int32)
+  leaves = [jnp.asarray(a) for a in jax.tree_util.tree_leaves(after)]
+  if not sharded:
+    return leaves[0] if len(leaves) == 1 else jnp.stack(
+        [a.reshape(-1)[0].astype(jnp.float32) for a in leaves if a.size])
+  # Under a mesh, a scalar taken from each value: it depends on the values
+  # without moving them into the per-device call.
+  return jnp.stack([a.reshape(-1)[0].astype(jnp.float32)
+                    for a in leaves if a.size] or [jnp.zeros(())])
+
+
+def _spec(x: PoolArray, stacked: bool) -> P:
+  spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+  return P(*(spec[1:] if stacked else spec))
+
+
+def _timeout_ms(pool) -> np.int64:
+  return np.int64(int(pool._timeout_s * 1000))
+
+
+def _start_call(handle, index, after, *, shape, dtype, pool_id, stacked,
+                priority, chunk_bytes):
+  return jax.ffi.ffi_call(
+      "jcxl_fetch_start", jax.ShapeDtypeStruct(shape, dtype),
+      has_side_effect=True)(
+          handle, index, after, pool_id=np.int32(pool_id), stacked=stacked,
+          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes))
+
+
+def _done_call(buffer, *, timeout_ms):
+  return jax.ffi.ffi_call(
+      "jcxl_fetch_done", jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+      input_output_aliases={0: 0}, has_side_effect=True)(
+          buffer, timeout_ms=timeout_ms)
+
+
+def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
+                priority: int = 0, chunk_bytes: int = 0) -> Pending:
+  """Starts copying `x` (or its slice `index` along axis 0) into the step.
+
+  Args:
+    x: a PoolArray.
+    index: optional traced integer: fetch ``x[index]`` of a stacked array.
+    after: a value (or pytree) that must exist before the copy is issued.
+    priority: lower values are served first by the copy engine.
+    chunk_bytes: size of the copy's pieces (0: the pool's default).
+  """
+  registry.register_ffi_targets()
+  x, pool = _checked(x, "fetch")
+  index, stacked = _index(index, x)
+  sharded = isinstance(x.sharding, jax.sharding.NamedSharding)
+  dep = _dependency(after, sharded)
+  call = functools.partial(
+      _start_call, shape=_local_shape(x, stacked), dtype=x.dtype,
+      pool_id=x.pool_id, stacked=stacked, priority=priority,
+      chunk_bytes=chunk_bytes)
+  if not sharded:
+    return Pending(call(x.handles, index, dep), None, None)
+  mesh = x.sharding.mesh
+  out_spec = _spec(x, stacked)
+  buffer = jax.shard_map(
+      call, mesh=mesh, in_specs=(P(*mesh.axis_names), P(), P()),
+      out_specs=out_spec, check_vma=False)(x.handles, index, dep)
+  return Pending(buffer, out_spec, mesh)
+
+
+def fetch_done(pending: Pending, *, timeout_s: float | None = None
+               ) -> jax.Array:
+  """Waits for a fetch started by ``fetch_start``; returns the array."""
+  timeout_ms = np.int64(int((timeout_s or 60.0) * 1000))
+  call = functools.partial(_done_call, timeout_ms=timeout_ms)
+  if pending.mesh is None:
+    return call(pending.buffer)
+  return jax.shard_map(call, mesh=pending.mesh, in_specs=(pending.spec,),
+                       out_specs=pending.spec,
+                       check_vma=False)(pending.buffer)
+
+
+def _fetch(x, index, after, priority, chunk_bytes):
+  pool = registry.find_pool(x.pool_id, what=x._what())
+  return fetch_done(fetch_start(x, index, after=after, priority=priority,
+                                chunk_bytes=chunk_bytes),
+                    timeout_s=pool._timeout_s)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+def _fetch_wrt(x, wrt, index, after, priority, chunk_bytes):
+  del wrt
+  return _fetch(x, index, after, priority, chunk_bytes)
+
+
+def _fetch_wrt_fwd(x, wrt, index, after, priority, chunk_bytes):
+  del wrt
+  return _fetch(x, index, after, priority, chunk_bytes), (index, after)
+
+
+def _zero_cotangent(value):
+  value = jnp.asarray(value)
+  if jnp.issubdtype(value.dtype, jnp.inexact):
+    return jnp.zeros_like(value)
+  return np.zeros(value.shape, jax.dtypes.float0)
+
+
+def _fetch_wrt_bwd(x, priority, chunk_bytes, residuals, g):
+  del x, priority, chunk_bytes
+  index, after = residuals
+  return (g, None if index is None else _zero_cotangent(index),
+          jax.tree_util.tree_map(_zero_cotangent, after))
+
+
+_fetch_wrt.defvjp(_fetch_wrt_fwd, _fetch_wrt_bwd)
+
+
+def fetch(x: PoolArray, index: Any = None, *, after: Any = None,
+          wrt: Any = None, priority: int = 0, chunk_bytes: int = 0
+          ) -> jax.Array:
+  """Fetches a PoolArray (or its slice `index`) into the jitted step.
+
+  Example:
+    >>> @jax.jit
+    ... def apply(w, x):
+    ...   return x @ jcxl.fetch(w)
+    >>> y = apply(jcxl.place(kernel, "cxl", pool=pool), x)
+
+  Args:
+    x: the PoolArray.
+    index: optional traced integer: fetch ``x[index]`` (stacked layers).
+    after: a value that must exist before the copy starts (bounds how many
+      fetched buffers are live at once).
+    wrt: optional array standing in for the weight under differentiation:
+      ``jax.grad`` with respect to `wrt` gives the gradient with respect to
+      the fetched value (its own value is never read).
+    priority: lower values are served first by the copy engine.
+    chunk_bytes: size of the copy's pieces (0: the pool's default).
+
+  Returns:
+    A ``jax.Array`` with `x`'s shape (or its slice's), dtype and sharding.
+  """
+  if wrt is None:
+    return _fetch(x, index, after, priority, chunk_bytes)
+  return _fetch_wrt(x, wrt, index, after, priority, chunk_bytes)
+
+
+def _store_start_call(handle, index, value, after, *, pool_id, stacked,
+                      priority, chunk_bytes):
+  return jax.ffi.ffi_call(
+      "jcxl_store_start", jax.ShapeDtypeStruct(value.shape, value.dtype),
+      input_output_aliases={2: 0}, has_side_effect=True)(
+          handle, index, value, after, pool_id=np.int32(pool_id),
+          stacked=stacked, priority=np.int32(priority),
+          chunk_bytes=np.int64(chunk_bytes))
+
+
+def _store_done_call(buffer, *, timeout_ms):
+  return jax.ffi.ffi_call(
+      "jcxl_store_done", jax.ShapeDtypeStruct((1,), jnp.int32),
+      has_side_effect=True)(buffer, timeout_ms=timeout_ms)
+
+
+def store(x: PoolArray, value: jax.Array, index: Any = None, *,
+          after: Any = None, priority: int = 0, chunk_bytes: int = 0
+          ) -> jax.Array:
+  """Writes `value` into PoolArray `x` (or its slice `index`) in place.
+
+  The write finishes before the step returns. The result is a small int32
+  token; pass it as `after` to a later fetch of the same object to order
+  the two.
+
+  Raises:
+    ValueError: `value`'s shape or dtype does not match `x`.
+  """
+  registry.register_ffi_targets()
+  x, pool = _checked(x, "store")
+  index, stacked = _index(index, x)
+  expected = x.shape[1:] if stacked else x.shape
+  if tuple(value.shape) != tuple(expected) or value.dtype != x.dtype:
+    raise ValueError(
+        f"{x._what()}: cannot store {value.dtype}{list(value.shape)} into "
+        f"{x.dtype}{list(expected)}")
+  sharded = isinstance(x.sharding, jax.sharding.NamedSharding)
+  dep = _dependency(after, sharded)
+  timeout_ms = _timeout_ms(pool)
+
+  def local(handle, index, value, dep):
+    pending = _store_start_call(
+        handle, index, value, dep, pool_id=x.pool_id, stacked=stacked,
+        priority=priority, chunk_bytes=chunk_bytes)
+    return _store_done_call(pending, timeout_ms=timeout_ms)
+
+  if not sharded:
+    return local(x.handles, index, value, dep)
+  mesh = x.sharding.mesh
+  axes = P(mesh.axis_names)
+  return jax.shard_map(
+      local, mesh=mesh, in_specs=(P(*mesh.axis_names), P(),
+                                  _spec(x, stacked), P()),
+      out_specs=axes, check_vma=False)(x.handles, index, value, dep)
