@@ -78,16 +78,16 @@ def resolve_kinds(tree: Any, kinds: str | Rules | Any) -> list[str]:
             f"no placement rule matches leaf {path}; add a catch-all rule "
             "such as ('.*', 'device')")
     return out
+  is_pool_array = lambda x: isinstance(x, PoolArray)
+  kinds_def = jax.tree_util.tree_structure(kinds)
   try:
-    expanded = jax.tree_util.tree_map(
-        lambda k, sub: [k] * len(jax.tree_util.tree_leaves(
-            sub, is_leaf=lambda x: isinstance(x, PoolArray))),
-        kinds, tree, is_leaf=lambda x: isinstance(x, PoolArray))
-  except ValueError as e:
+    subtrees = kinds_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
     raise ValueError(
         "kinds must be a memory kind, a list of (regex, kind) rules, or a "
         f"pytree of kinds matching the tree's structure: {e}") from None
-  flat = [k for ks in jax.tree_util.tree_leaves(expanded) for k in ks]
+  flat = [kind for kind, sub in zip(jax.tree_util.tree_leaves(kinds), subtrees)
+          for _ in jax.tree_util.tree_leaves(sub, is_leaf=is_pool_array)]
   return [check_kind(k, path) for k, path in zip(flat, paths)]
 
 

@@ -11,6 +11,7 @@ import jax
 
 from jcxl import _jcxl
 from jcxl._src import errors
+from jcxl._src import jax_compat
 
 if TYPE_CHECKING:
   from jcxl._src.pool import Pool
@@ -42,4 +43,5 @@ def register_ffi_targets() -> None:
       return
     for name, capsule in _jcxl.registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    jax_compat.allow_ffi_effects_in_remat()
     _ffi_registered = True

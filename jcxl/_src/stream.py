@@ -93,6 +93,14 @@ def _spec(x: PoolArray, stacked: bool) -> P:
   return P(*(spec[1:] if stacked else spec))
 
 
+def _with_spec(value: jax.Array, mesh: Any, spec: P) -> jax.Array:
+  """`value` laid out as `spec` (shard_map checks it on explicit meshes)."""
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+    return jax.sharding.reshard(value, sharding)
+  return jax.lax.with_sharding_constraint(value, sharding)
+
+
 def _timeout_ms(pool) -> np.int64:
   return np.int64(int(pool._timeout_s * 1000))
 
@@ -156,13 +164,13 @@ def fetch_done(pending: Pending, *, timeout_s: float | None = None
 
 
 def _fetch(x, index, after, priority, chunk_bytes):
-  pool = registry.find_pool(x.pool_id, what=x._what())
+  x, pool = _checked(x, "fetch")
   return fetch_done(fetch_start(x, index, after=after, priority=priority,
                                 chunk_bytes=chunk_bytes),
                     timeout_s=pool._timeout_s)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _fetch_wrt(x, wrt, index, after, priority, chunk_bytes):
   del wrt
   return _fetch(x, index, after, priority, chunk_bytes)
@@ -170,7 +178,7 @@ def _fetch_wrt(x, wrt, index, after, priority, chunk_bytes):
 
 def _fetch_wrt_fwd(x, wrt, index, after, priority, chunk_bytes):
   del wrt
-  return _fetch(x, index, after, priority, chunk_bytes), (index, after)
+  return _fetch(x, index, after, priority, chunk_bytes), (x, index, after)
 
 
 def _zero_cotangent(value):
@@ -180,10 +188,12 @@ def _zero_cotangent(value):
   return np.zeros(value.shape, jax.dtypes.float0)
 
 
-def _fetch_wrt_bwd(x, priority, chunk_bytes, residuals, g):
-  del x, priority, chunk_bytes
-  index, after = residuals
-  return (g, None if index is None else _zero_cotangent(index),
+def _fetch_wrt_bwd(priority, chunk_bytes, residuals, g):
+  del priority, chunk_bytes
+  x, index, after = residuals
+  # The gradient goes to `wrt`; handles, index and `after` get zeros.
+  return (jax.tree_util.tree_map(_zero_cotangent, x), g,
+          None if index is None else _zero_cotangent(index),
           jax.tree_util.tree_map(_zero_cotangent, after))
 
 
@@ -270,7 +280,73 @@ def store(x: PoolArray, value: jax.Array, index: Any = None, *,
     return local(x.handles, index, value, dep)
   mesh = x.sharding.mesh
   axes = P(mesh.axis_names)
+  value = _with_spec(value, mesh, _spec(x, stacked))
   return jax.shard_map(
       local, mesh=mesh, in_specs=(P(*mesh.axis_names), P(),
                                   _spec(x, stacked), P()),
       out_specs=axes, check_vma=False)(x.handles, index, value, dep)
+
+
+def _tree_fetch_start(weights, index, after, priority):
+  return jax.tree_util.tree_map(
+      lambda w: fetch_start(w, index, after=after, priority=priority),
+      weights, is_leaf=lambda w: isinstance(w, PoolArray))
+
+
+def _tree_fetch_done(pending):
+  return jax.tree_util.tree_map(fetch_done, pending,
+                                is_leaf=lambda p: isinstance(p, Pending))
+
+
+def layer_scan(body, carry: Any, weights: Any, *, prefetch: int = 1) -> Any:
+  """``lax.scan`` over stacked layers whose weights stream from the pool.
+
+  Layer ``i``'s weights (slice ``i`` of every stacked PoolArray in
+  `weights`) are fetched `prefetch` layers ahead, each fetch issued once the
+  carry of the layer before it exists, and finished within the same loop
+  iteration (a copy in flight never crosses a loop boundary). At most
+  ``prefetch + 2`` layers' weights are on the device at once.
+
+  Args:
+    body: ``body(carry, layer_weights) -> carry``.
+    carry: the initial carry (e.g. the activations).
+    weights: a pytree of PoolArrays stacked along axis 0 (same length).
+    prefetch: how many layers ahead to fetch; 0 fetches each layer just
+      before it runs, with nothing to overlap.
+
+  Returns:
+    The final carry.
+  """
+  leaves = jax.tree_util.tree_leaves(
+      weights, is_leaf=lambda w: isinstance(w, PoolArray))
+  if not leaves or not all(isinstance(w, PoolArray) for w in leaves):
+    raise TypeError("layer_scan's weights must be a pytree of PoolArrays")
+  lengths = {w.shape[0] if w.ndim else None for w in leaves}
+  if len(lengths) != 1 or None in lengths:
+    raise ValueError(f"layer_scan's weights must share their leading "
+                     f"(layer) axis; got lengths {sorted(map(str, lengths))}")
+  (length,) = lengths
+  if not isinstance(prefetch, int) or prefetch < 0:
+    raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+  k = min(prefetch, length)
+
+  if k == 0:
+    def sync_step(c, i):
+      w = _tree_fetch_done(_tree_fetch_start(weights, i, c, 0))
+      return body(c, w), None
+    return jax.lax.scan(sync_step, carry, jnp.arange(length))[0]
+
+  queue = tuple(_tree_fetch_done(_tree_fetch_start(weights, j, None, j))
+                for j in range(k))
+
+  def step(state, i):
+    c, queue = state
+    pending = _tree_fetch_start(weights, i + k, c, 0)
+    c = body(c, queue[0])
+    return (c, queue[1:] + (_tree_fetch_done(pending),)), None
+
+  (carry, queue), _ = jax.lax.scan(step, (carry, queue),
+                                   jnp.arange(length - k))
+  for w in queue:  # the last k layers: already on the device
+    carry = body(carry, w)
+  return carry
