@@ -10,20 +10,30 @@ from jcxl._src.errors import PoolExhaustedError as PoolExhaustedError
 from jcxl._src.errors import TierIOError as TierIOError
 from jcxl._src.errors import TransferTimeoutError as TransferTimeoutError
 from jcxl._src.errors import UnknownHandleError as UnknownHandleError
+from jcxl._src.placement import gather as gather
+from jcxl._src.placement import place as place
 from jcxl._src.pool import LinkModel as LinkModel
 from jcxl._src.pool import Pool as Pool
 from jcxl._src.pool import Tier as Tier
+from jcxl._src.pool_array import PoolArray as PoolArray
+from jcxl._src.stream import fetch as fetch
+from jcxl._src.stream import store as store
 from jcxl import topology as topology
 
 __all__ = [
     "JcxlError",
     "LinkModel",
     "Pool",
+    "PoolArray",
     "PoolClosedError",
     "PoolExhaustedError",
     "Tier",
     "TierIOError",
     "TransferTimeoutError",
     "UnknownHandleError",
+    "fetch",
+    "gather",
+    "place",
+    "store",
     "topology",
 ]

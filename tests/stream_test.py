@@ -305,3 +305,23 @@ class TraceTimeErrorsTest:
   def test_not_a_pool_array(self):
     with pytest.raises(TypeError, match="takes a jcxl.PoolArray"):
       fetch(jnp.ones(3))
+
+
+class StreamedScanTest:
+
+  @pytest.mark.parametrize("reverse", [False, True])
+  @pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
+  def test_matches_lax_scan_with_xs_and_ys(self, pool, reverse, prefetch):
+    from jcxl._src.stream import streamed_scan
+    layers = 5
+    w, xs = rand(layers, 8, 8), rand(layers, 8, seed=9)
+    pw = place(w, "cxl", pool=pool)
+    body = lambda c, wi, x: (jnp.tanh(c @ wi + x), c.sum())
+    ref = jax.jit(lambda w, xs: jax.lax.scan(
+        lambda c, wx: body(c, *wx), jnp.ones(8), (w, xs),
+        reverse=reverse))(w, xs)
+    got = jax.jit(lambda p, xs: streamed_scan(
+        body, jnp.ones(8), p, xs, length=layers, reverse=reverse,
+        prefetch=prefetch))(pw, xs)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+      assert np.array_equal(a, b)

@@ -402,3 +402,36 @@ def describe_machine(disk_path: str | os.PathLike | None = None
       numa_nodes=_numa_nodes(),
       load_average=tuple(os.getloadavg()),
       disk=describe_disk(disk_path) if disk_path is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """An acceptance target on one measured number: at most or at least a limit.
+
+  For targets that are not a bandwidth ratio (``Target``): a time ratio
+  ("within 1.15x of resident"), a speed-up ("at least 1.6x faster") or a cost
+  ("under 20 us per fetch").
+  """
+  name: str
+  value: float
+  limit: float
+  at_most: bool  # True: passes when value <= limit; False: value >= limit
+  unit: str = ""  # printed right after the numbers, e.g. 'x' or ' us'
+  detail: str = ""  # how the value was obtained, printed after the verdict
+
+  @property
+  def passed(self) -> bool:
+    return self.value <= self.limit if self.at_most else (
+        self.value >= self.limit)
+
+  def __str__(self) -> str:
+    relation = "<=" if self.at_most else ">="
+    detail = f"; {self.detail}" if self.detail else ""
+    return (f"{'PASS' if self.passed else 'FAIL'} {self.name}: "
+            f"{self.value:.3g}{self.unit} (target {relation} "
+            f"{self.limit:g}{self.unit}){detail}")
+
+  def to_json(self) -> dict[str, Any]:
+    return {"name": self.name, "passed": self.passed, "value": self.value,
+            "limit": self.limit, "at_most": self.at_most, "unit": self.unit,
+            "detail": self.detail}

@@ -16,3 +16,38 @@ def allow_ffi_effects_in_remat() -> None:
   """
   _effects.remat_allowed_effects.add_type(_ffi.FfiEffect)
   _effects.custom_derivatives_allowed_effects.add_type(_ffi.FfiEffect)
+
+
+def literal_type():
+  from jax.extend import core as jex  # pylint: disable=g-import-not-at-top
+  return jex.Literal
+
+
+def jaxpr_types():
+  """(ClosedJaxpr, Jaxpr) classes."""
+  from jax.extend import core as jex  # pylint: disable=g-import-not-at-top
+  return jex.ClosedJaxpr, jex.Jaxpr
+
+
+def sub_jaxpr(eqn):
+  """The (jaxpr, consts) called by a call-like equation, or None."""
+  closed_cls, jaxpr_cls = jaxpr_types()
+  for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    value = eqn.params.get(name)
+    if isinstance(value, closed_cls):
+      return value.jaxpr, list(value.consts)
+    if isinstance(value, jaxpr_cls):
+      return value, []
+  return None
+
+
+def bind(eqn, values):
+  """Evaluates one equation on concrete (or traced) values."""
+  subfuns, params = eqn.primitive.get_bind_params(eqn.params)
+  out = eqn.primitive.bind(*subfuns, *values, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eval_jaxpr(jaxpr, consts, *args):
+  from jax.extend import core as jex  # pylint: disable=g-import-not-at-top
+  return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, consts))(*args)

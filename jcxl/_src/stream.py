@@ -298,21 +298,90 @@ def _tree_fetch_done(pending):
                                 is_leaf=lambda p: isinstance(p, Pending))
 
 
-def layer_scan(body, carry: Any, weights: Any, *, prefetch: int = 1) -> Any:
-  """``lax.scan`` over stacked layers whose weights stream from the pool.
+def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
+                  length: int, reverse: bool = False, prefetch: int = 1
+                  ) -> tuple[Any, Any]:
+  """``lax.scan`` whose per-layer weights stream from the pool.
 
-  Layer ``i``'s weights (slice ``i`` of every stacked PoolArray in
-  `weights`) are fetched `prefetch` layers ahead, each fetch issued once the
-  carry of the layer before it exists, and finished within the same loop
-  iteration (a copy in flight never crosses a loop boundary). At most
+  Like ``lax.scan(lambda c, x: body(c, w[i], x), carry, xs)`` where ``w[i]``
+  is slice ``i`` (the layer being run) of every stacked PoolArray in
+  `weights`. Each layer's weights are fetched `prefetch` layers ahead of
+  their use, issued once the carry of the layer before exists, and finished
+  in the same loop iteration (a copy in flight never crosses a loop
+  boundary); the last `prefetch` layers run from the fetched queue. At most
   ``prefetch + 2`` layers' weights are on the device at once.
+
+  Args:
+    body: ``body(carry, layer_weights, x) -> (carry, y)``.
+    carry: the initial carry.
+    weights: a pytree of PoolArrays stacked along axis 0 (`length` long).
+    xs: a pytree of arrays stacked along axis 0, or None.
+    length: the number of layers.
+    reverse: run the layers from last to first (as a backward pass does).
+    prefetch: how many layers ahead to fetch; 0: fetch each layer right
+      before it runs.
+
+  Returns:
+    ``(carry, ys)`` as ``lax.scan`` returns them.
+  """
+  if not isinstance(prefetch, int) or prefetch < 0:
+    raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+  k = min(prefetch, length)
+  step = -1 if reverse else 1
+  order = list(range(length))[::step]  # layer indices in iteration order
+  layers = jnp.arange(length, dtype=jnp.int32)
+
+  def fetch_layer(i, after, priority=0):
+    return _tree_fetch_done(_tree_fetch_start(weights, i, after, priority))
+
+  if k == 0:
+    def sync_body(c, ix):
+      i, x = ix
+      return body(c, fetch_layer(i, c), x)
+    return jax.lax.scan(sync_body, carry, (layers, xs), reverse=reverse)
+
+  queue = tuple(fetch_layer(order[j], None, j) for j in range(k))
+
+  def prefetch_body(state, ix):
+    c, queue = state
+    i, x = ix
+    pending = _tree_fetch_start(weights, i + step * k, c, 0)
+    c, y = body(c, queue[0], x)
+    return (c, queue[1:] + (_tree_fetch_done(pending),)), y
+
+  # Split the layers: those that prefetch a later layer, then the last k.
+  head = slice(0, length - k) if not reverse else slice(k, length)
+  take = lambda tree, sl: jax.tree_util.tree_map(lambda a: a[sl], tree)
+  (carry, queue), ys_head = jax.lax.scan(
+      prefetch_body, (carry, queue), (layers[head], take(xs, head)),
+      reverse=reverse)
+  # The last k layers run unrolled from the queue (stacking the queue into
+  # a scan would hold a second copy of it).
+  tail_ys = []
+  for j, w in enumerate(queue):
+    i = order[length - k + j]
+    x = jax.tree_util.tree_map(lambda a, i=i: a[i], xs)
+    carry, y = body(carry, w, x)
+    tail_ys.append(y)
+  ys_tail = jax.tree_util.tree_map(lambda *ys: jnp.stack(ys),
+                                   *tail_ys[::step])
+  first, second = (ys_head, ys_tail) if not reverse else (ys_tail, ys_head)
+  ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), first,
+                              second)
+  return carry, ys
+
+
+def layer_scan(body, carry: Any, weights: Any, *, prefetch: int = 1) -> Any:
+  """Runs ``carry = body(carry, w[i])`` over stacked pool-resident layers.
+
+  A convenience form of ``streamed_scan`` (see there) for a plain chain of
+  layers.
 
   Args:
     body: ``body(carry, layer_weights) -> carry``.
     carry: the initial carry (e.g. the activations).
     weights: a pytree of PoolArrays stacked along axis 0 (same length).
-    prefetch: how many layers ahead to fetch; 0 fetches each layer just
-      before it runs, with nothing to overlap.
+    prefetch: how many layers ahead to fetch (0: no overlap).
 
   Returns:
     The final carry.
@@ -326,27 +395,6 @@ def layer_scan(body, carry: Any, weights: Any, *, prefetch: int = 1) -> Any:
     raise ValueError(f"layer_scan's weights must share their leading "
                      f"(layer) axis; got lengths {sorted(map(str, lengths))}")
   (length,) = lengths
-  if not isinstance(prefetch, int) or prefetch < 0:
-    raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-  k = min(prefetch, length)
-
-  if k == 0:
-    def sync_step(c, i):
-      w = _tree_fetch_done(_tree_fetch_start(weights, i, c, 0))
-      return body(c, w), None
-    return jax.lax.scan(sync_step, carry, jnp.arange(length))[0]
-
-  queue = tuple(_tree_fetch_done(_tree_fetch_start(weights, j, None, j))
-                for j in range(k))
-
-  def step(state, i):
-    c, queue = state
-    pending = _tree_fetch_start(weights, i + k, c, 0)
-    c = body(c, queue[0])
-    return (c, queue[1:] + (_tree_fetch_done(pending),)), None
-
-  (carry, queue), _ = jax.lax.scan(step, (carry, queue),
-                                   jnp.arange(length - k))
-  for w in queue:  # the last k layers: already on the device
-    carry = body(carry, w)
+  carry, _ = streamed_scan(lambda c, w, _: (body(c, w), None), carry, weights,
+                           length=length, prefetch=prefetch)
   return carry
