@@ -329,6 +329,15 @@ NB_MODULE(_jcxl, m) {
 
   m.def("now_ns", &NowNs, "The copy engine's clock (steady, ns).");
 
+  m.def("drain_stream_waits", []() {
+    nb::list out;
+    for (const StreamWait& w : DrainStreamWaits()) {
+      out.append(nb::make_tuple(RecordTuple(w.record), w.wait_started_ns,
+                                w.wait_ns));
+    }
+    return out;
+  });
+
   // XLA FFI targets, registered for the CPU platform by jcxl/__init__.py.
   m.def("registrations", []() {
     nb::dict targets;

@@ -146,6 +146,23 @@ ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
   return target;
 }
 
+constexpr size_t kMaxWaits = 1 << 16;
+std::mutex g_waits_mu;
+std::vector<StreamWait>& Waits() {
+  static auto* waits = new std::vector<StreamWait>();
+  return *waits;
+}
+
+void LogWait(const std::shared_ptr<Ticket>& ticket, int64_t started,
+             int64_t ended) {
+  StreamWait wait;
+  wait.record = ticket->record();
+  wait.wait_started_ns = started;
+  wait.wait_ns = ended - started;
+  std::lock_guard<std::mutex> lock(g_waits_mu);
+  if (Waits().size() < kMaxWaits) Waits().push_back(wait);
+}
+
 ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
   std::shared_ptr<Ticket> ticket = InFlight::Get().Take(address);
   if (!ticket) {
@@ -156,7 +173,9 @@ ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
             "it between start and done (a start and its done must not be "
             "separated by a loop boundary)");
   }
+  const int64_t started = NowNs();
   Status status = ticket->Wait(timeout_ms * 1000000);
+  LogWait(ticket, started, NowNs());
   if (!status.ok()) {
     return ffi::Error(status.code() == Code::kTimeout
                           ? ffi::ErrorCode::kDeadlineExceeded
@@ -220,6 +239,13 @@ ffi::Error StoreDoneImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> token,
 }
 
 }  // namespace
+
+std::vector<StreamWait> DrainStreamWaits() {
+  std::lock_guard<std::mutex> lock(g_waits_mu);
+  std::vector<StreamWait> out;
+  out.swap(Waits());
+  return out;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
                               ffi::Ffi::Bind()

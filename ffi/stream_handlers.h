@@ -15,9 +15,23 @@
 #ifndef JCXL_FFI_STREAM_HANDLERS_H_
 #define JCXL_FFI_STREAM_HANDLERS_H_
 
+#include <cstdint>
+#include <vector>
+
+#include "copy_engine.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jcxl {
+
+// One `done` of a streamed transfer: how long the step blocked on it.
+struct StreamWait {
+  TransferRecord record;  // the copy itself (handle, bytes, times)
+  int64_t wait_started_ns = 0;
+  int64_t wait_ns = 0;  // time the step spent blocked in `done`
+};
+
+// The `done` waits since the last call (bounded history), oldest first.
+std::vector<StreamWait> DrainStreamWaits();
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchDone);

@@ -43,8 +43,8 @@ def sub_jaxpr(eqn):
 
 def bind(eqn, values):
   """Evaluates one equation on concrete (or traced) values."""
-  subfuns, params = eqn.primitive.get_bind_params(eqn.params)
-  out = eqn.primitive.bind(*subfuns, *values, **params)
+  params = eqn.primitive.get_bind_params(eqn.params)
+  out = eqn.primitive.bind(*values, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
 

@@ -248,7 +248,8 @@ def _as_host_array(array: Any) -> np.ndarray:
     raise TypeError(
         f"the pool stores numeric arrays; dtype {value.dtype} cannot be "
         "stored")
-  return np.ascontiguousarray(value)
+  # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
+  return value if value.flags.c_contiguous else value.copy(order="C")
 
 
 # Host buffers the pool allocates start on a huge-page boundary: O_DIRECT

@@ -134,6 +134,13 @@ class PoolArray:
     for _, handle in self.local_handles:
       pool.free(handle)
 
+  def __jax_array__(self):
+    raise TypeError(
+        f"{self._what()} was used as an array inside traced code (closed "
+        "over by a step?). Pass it to a jcxl.cxl_offload step as an "
+        "argument, fetch it with jcxl.fetch, or bring it back with "
+        "jcxl.gather")
+
   def _what(self) -> str:
     return f"PoolArray {self.path or '(unnamed)'}"
 

@@ -246,18 +246,21 @@ def _store_done_call(buffer, *, timeout_ms):
       has_side_effect=True)(buffer, timeout_ms=timeout_ms)
 
 
-def store(x: PoolArray, value: jax.Array, index: Any = None, *,
-          after: Any = None, priority: int = 0, chunk_bytes: int = 0
-          ) -> jax.Array:
-  """Writes `value` into PoolArray `x` (or its slice `index`) in place.
+class PendingStore:
+  """A store in flight: pass it to ``store_done``."""
 
-  The write finishes before the step returns. The result is a small int32
-  token; pass it as `after` to a later fetch of the same object to order
-  the two.
+  def __init__(self, buffer: jax.Array, mesh: Any, spec: P | None,
+               timeout_ms: np.int64):
+    self.buffer = buffer
+    self.mesh = mesh
+    self.spec = spec
+    self.timeout_ms = timeout_ms
 
-  Raises:
-    ValueError: `value`'s shape or dtype does not match `x`.
-  """
+
+def store_start(x: PoolArray, value: jax.Array, index: Any = None, *,
+                after: Any = None, priority: int = 0, chunk_bytes: int = 0
+                ) -> PendingStore:
+  """Starts writing `value` into PoolArray `x` (or its slice `index`)."""
   registry.register_ffi_targets()
   x, pool = _checked(x, "store")
   index, stacked = _index(index, x)
@@ -268,23 +271,52 @@ def store(x: PoolArray, value: jax.Array, index: Any = None, *,
         f"{x.dtype}{list(expected)}")
   sharded = isinstance(x.sharding, jax.sharding.NamedSharding)
   dep = _dependency(after, sharded)
+  call = functools.partial(
+      _store_start_call, pool_id=x.pool_id, stacked=stacked,
+      priority=priority, chunk_bytes=chunk_bytes)
   timeout_ms = _timeout_ms(pool)
-
-  def local(handle, index, value, dep):
-    pending = _store_start_call(
-        handle, index, value, dep, pool_id=x.pool_id, stacked=stacked,
-        priority=priority, chunk_bytes=chunk_bytes)
-    return _store_done_call(pending, timeout_ms=timeout_ms)
-
   if not sharded:
-    return local(x.handles, index, value, dep)
+    return PendingStore(call(x.handles, index, value, dep), None, None,
+                        timeout_ms)
   mesh = x.sharding.mesh
-  axes = P(mesh.axis_names)
-  value = _with_spec(value, mesh, _spec(x, stacked))
-  return jax.shard_map(
-      local, mesh=mesh, in_specs=(P(*mesh.axis_names), P(),
-                                  _spec(x, stacked), P()),
-      out_specs=axes, check_vma=False)(x.handles, index, value, dep)
+  spec = _spec(x, stacked)
+  value = _with_spec(value, mesh, spec)
+  buffer = jax.shard_map(
+      call, mesh=mesh, in_specs=(P(*mesh.axis_names), P(), spec, P()),
+      out_specs=spec, check_vma=False)(x.handles, index, value, dep)
+  return PendingStore(buffer, mesh, spec, timeout_ms)
+
+
+def store_done(pending: PendingStore) -> jax.Array:
+  """Waits for a store; returns a small int32 token (one per device)."""
+  call = functools.partial(_store_done_call, timeout_ms=pending.timeout_ms)
+  if pending.mesh is None:
+    return call(pending.buffer)
+  return jax.shard_map(call, mesh=pending.mesh, in_specs=(pending.spec,),
+                       out_specs=P(pending.mesh.axis_names),
+                       check_vma=False)(pending.buffer)
+
+
+def store(x: PoolArray, value: jax.Array, index: Any = None, *,
+          after: Any = None, priority: int = 0, chunk_bytes: int = 0
+          ) -> jax.Array:
+  """Writes `value` into PoolArray `x` (or its slice `index`) in place.
+
+  The write finishes before the step returns. The result is a small int32
+  token; pass it as `after` to a later fetch of the same object to order
+  the two.
+
+  Example:
+    >>> @jax.jit
+    ... def scale(w):
+    ...   return jcxl.store(w, jcxl.fetch(w) * 2)
+    >>> scale(w)  # w's objects in the pool now hold the doubled values
+
+  Raises:
+    ValueError: `value`'s shape or dtype does not match `x`.
+  """
+  return store_done(store_start(x, value, index, after=after,
+                                priority=priority, chunk_bytes=chunk_bytes))
 
 
 def _tree_fetch_start(weights, index, after, priority):

@@ -1,0 +1,621 @@
+"""cxl_offload: rewrite a jitted step so pool-resident state streams in.
+
+The step is traced with its pool-resident leaves as ordinary inputs; the
+resulting jaxpr is then run by an interpreter under ``jax.jit`` that
+
+* fetches each pool-resident input shortly before each cluster of its uses
+  (a weight is fetched for the forward pass, again for the backward pass and
+  again for its optimizer update), issuing the fetch `prefetch` layers ahead
+  and dropping the buffer after the cluster's last use;
+* streams ``lax.scan``s over stacked pool-resident layers one layer at a
+  time (``streamed_scan``), forward and reverse;
+* stores each output that belongs in the pool back into the same objects
+  as soon as it is produced and the old value has no uses left.
+
+Everything else in the step is evaluated as traced.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import logging
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jcxl import _jcxl
+from jcxl._src import jax_compat
+from jcxl._src import registry
+from jcxl._src import schedule as schedule_lib
+from jcxl._src.pool import TransferRecord
+from jcxl._src.pool_array import PoolArray
+from jcxl._src.stream import fetch_done
+from jcxl._src.stream import fetch_start
+from jcxl._src.stream import store_done
+from jcxl._src.stream import store_start
+from jcxl._src.stream import streamed_scan
+from jcxl._src.units import format_bytes
+from jcxl._src.units import parse_bytes
+
+logger = logging.getLogger(__name__)
+
+# Call-like primitives whose bodies are inlined into the flat program (the
+# step is already differentiated, so custom rules are no longer needed).
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call",
+                     "custom_jvp_call", "custom_vjp_call",
+                     "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+# Higher-order primitives that may take a pool-resident value whole.
+_WHOLE = frozenset({"cond", "while", "scan"})
+# Uses of a leaf further apart than this many equations are separate
+# clusters (each gets its own fetch).
+_CLUSTER_GAP = 16
+# Stores kept in flight before the oldest is waited for.
+_STORES_IN_FLIGHT = 2
+
+_is_pool_array = lambda x: isinstance(x, PoolArray)
+
+
+def _is_pinned(x: Any) -> bool:
+  sharding = getattr(x, "sharding", None)
+  return getattr(sharding, "memory_kind", None) == "pinned_host"
+
+
+# ------------------------------------------------------------ flat program
+
+
+@dataclasses.dataclass
+class _Node:
+  eqn: Any
+  ins: list[Any]   # keys or _Lit
+  outs: list[Any]  # keys
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
+class _Lit:
+  value: Any
+
+
+class _Program:
+  """A jaxpr with call-like equations inlined, variables keyed by scope."""
+
+  def __init__(self, closed_jaxpr: Any, num_inputs: int):
+    self.nodes: list[_Node] = []
+    self.alias: dict[Any, Any] = {}
+    self.consts: dict[Any, Any] = {}
+    self._scopes = itertools.count(1)
+    literal = jax_compat.literal_type()
+    self._literal = literal
+    inputs = [("in", i) for i in range(num_inputs)]
+    self._walk(closed_jaxpr.jaxpr, 0, inputs, list(closed_jaxpr.consts))
+    self.outputs = [self.resolve(self._atom(0, v))
+                    for v in closed_jaxpr.jaxpr.outvars]
+
+  def _atom(self, scope, v):
+    return _Lit(v.val) if isinstance(v, self._literal) else (scope, v)
+
+  def _walk(self, jaxpr, scope, in_atoms, const_values):
+    for v, value in zip(jaxpr.constvars, const_values):
+      self.consts[(scope, v)] = value
+    for v, a in zip(jaxpr.invars, in_atoms):
+      self.alias[(scope, v)] = a
+    for eqn in jaxpr.eqns:
+      ins = [self._atom(scope, a) for a in eqn.invars]
+      sub = (jax_compat.sub_jaxpr(eqn)
+             if eqn.primitive.name in _INLINE else None)
+      if sub is not None:
+        inner, inner_consts = sub
+        inner_scope = next(self._scopes)
+        self._walk(inner, inner_scope, ins, inner_consts)
+        for o, inner_o in zip(eqn.outvars, inner.outvars):
+          self.alias[(scope, o)] = self._atom(inner_scope, inner_o)
+      else:
+        self.nodes.append(_Node(eqn, ins, [(scope, o) for o in eqn.outvars]))
+
+  def resolve(self, atom):
+    while not isinstance(atom, _Lit) and atom in self.alias:
+      atom = self.alias[atom]
+    return atom
+
+
+# ------------------------------------------------------------------ plan
+
+
+@dataclasses.dataclass
+class _Cluster:
+  key: Any
+  first: int
+  last: int
+  unit: int = -1
+  start_at: int = -1
+
+
+def _group(path: str) -> str:
+  """The module path of a leaf: its path without the last key."""
+  cut = path.rfind("[")
+  return path[:cut] if cut > 0 else path
+
+
+def _scan_streamed_positions(node: _Node, program: _Program,
+                             resident: dict) -> dict[int, Any]:
+  """xs operands of a scan that are pool-resident: position -> key."""
+  if node.eqn.primitive.name != "scan":
+    return {}
+  first_xs = node.eqn.params["num_consts"] + node.eqn.params["num_carry"]
+  out = {}
+  for pos in range(first_xs, len(node.ins)):
+    key = program.resolve(node.ins[pos])
+    if key in resident and isinstance(resident[key], PoolArray):
+      out[pos] = key
+  return out
+
+
+class _Planner:
+  """Finds the clusters of uses and when each cluster's fetch is issued."""
+
+  def __init__(self, program: _Program, resident: dict[Any, Any],
+               paths: dict[Any, str], schedule: schedule_lib.FixedSchedule):
+    self.program = program
+    self.resident = resident
+    uses = collections.defaultdict(list)
+    self.streamed: dict[int, dict[int, Any]] = {}
+    self.last_use: dict[Any, int] = {}
+    for i, node in enumerate(program.nodes):
+      streamed = _scan_streamed_positions(node, program, resident)
+      if streamed:
+        self.streamed[i] = streamed
+      for pos, atom in enumerate(node.ins):
+        key = program.resolve(atom)
+        if key not in resident:
+          continue
+        self.last_use[key] = i
+        if pos in streamed:
+          continue
+        if (isinstance(resident[key], PoolArray) and node.eqn.params.get(
+            "jaxpr") is not None and node.eqn.primitive.name not in _WHOLE):
+          raise NotImplementedError(
+              f"cxl_offload cannot stream {resident[key]._what()} into a "
+              f"'{node.eqn.primitive.name}' primitive; fetch it inside with "
+              "jcxl.fetch, or place that leaf on 'device'")
+        if not uses[key] or uses[key][-1] != i:
+          uses[key].append(i)
+    clusters = []
+    for key, idx in uses.items():
+      start = prev = idx[0]
+      for i in idx[1:]:
+        if i - prev > _CLUSTER_GAP:
+          clusters.append(_Cluster(key, start, prev))
+          start = i
+        prev = i
+      clusters.append(_Cluster(key, start, prev))
+    clusters.sort(key=lambda c: (c.first, str(paths[c.key])))
+    # Units ("layers" in time): consecutive clusters of one module path.
+    unit_first: list[int] = []
+    unit_group: list[str] = []
+    for c in clusters:
+      group = _group(paths[c.key])
+      if (not unit_first or unit_group[-1] != group
+          or c.first - unit_first[-1] > _CLUSTER_GAP):
+        unit_first.append(c.first)
+        unit_group.append(group)
+      c.unit = len(unit_first) - 1
+    for c in clusters:
+      k = schedule.prefetch_for(_group(paths[c.key]))
+      c.start_at = c.first if k == 0 else unit_first[max(0, c.unit - k)]
+    self.clusters = clusters
+    self.starts_at = collections.defaultdict(list)
+    self.cluster_at: dict[tuple[Any, int], _Cluster] = {}
+    for c in clusters:
+      self.starts_at[c.start_at].append(c)
+      for i in uses[c.key]:
+        if c.first <= i <= c.last:
+          self.cluster_at[(c.key, i)] = c
+
+
+# ------------------------------------------------------------ interpreter
+
+
+class _Interpreter:
+  """Evaluates the flat program with streaming, under jit."""
+
+  def __init__(self, program: _Program, planner: _Planner,
+               values: dict[Any, Any], schedule: schedule_lib.FixedSchedule,
+               stores: dict[Any, PoolArray], store_after: dict[Any, int]):
+    self.program = program
+    self.planner = planner
+    self.env = dict(values)
+    self.env.update(program.consts)
+    self.schedule = schedule
+    self.pending: dict[int, Any] = {}
+    self.fetched: dict[int, Any] = {}
+    self.stores = stores            # output key -> target PoolArray
+    self.store_after = store_after  # output key -> node index
+    self.stores_in_flight: collections.deque = collections.deque()
+    self.stored: set = set()
+
+  def _start(self, c: _Cluster, after: Any) -> None:
+    target = self.planner.resident[c.key]
+    if isinstance(target, PoolArray):
+      self.pending[id(c)] = fetch_start(
+          self.env[c.key], after=after, priority=c.unit,
+          chunk_bytes=self.schedule.chunk_bytes)
+    # pinned_host leaves move with JAX's own transfer, when used.
+
+  def _value_for(self, key: Any, i: int) -> Any:
+    c = self.planner.cluster_at[(key, i)]
+    if id(c) not in self.fetched:
+      target = self.planner.resident[key]
+      if isinstance(target, PoolArray):
+        pending = self.pending.pop(id(c), None)
+        if pending is None:  # not started ahead (e.g. schedule fixed:0)
+          pending = fetch_start(self.env[key], priority=c.unit)
+        self.fetched[id(c)] = fetch_done(pending)
+      else:
+        sharding = target.sharding.with_memory_kind("device")
+        self.fetched[id(c)] = jax.device_put(self.env[key], sharding)
+    return self.fetched[id(c)]
+
+  def _read(self, atom: Any, i: int) -> Any:
+    if isinstance(atom, _Lit):
+      return atom.value
+    key = self.program.resolve(atom)
+    if isinstance(key, _Lit):
+      return key.value
+    if key in self.planner.resident:
+      return self._value_for(key, i)
+    return self.env[key]
+
+  def _streamed_scan(self, node: _Node, streamed: dict[int, Any],
+                     i: int) -> list[Any]:
+    params = node.eqn.params
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    body = params["jaxpr"]
+    ins = [None if pos in streamed else self._read(a, i)
+           for pos, a in enumerate(node.ins)]
+    consts, carry = ins[:n_consts], ins[n_consts:n_consts + n_carry]
+    xs_positions = range(n_consts + n_carry, len(ins))
+    weights = {str(pos): self.env[key] for pos, key in streamed.items()}
+    xs = {str(pos): ins[pos] for pos in xs_positions if pos not in streamed}
+    group = _group(next(iter(weights.values())).path)
+
+    def scan_body(c, w, x):
+      full = [w[str(p)] if p in streamed else x[str(p)]
+              for p in xs_positions]
+      out = jax_compat.eval_jaxpr(body.jaxpr, body.consts, *consts, *c,
+                                  *full)
+      return list(out[:n_carry]), list(out[n_carry:])
+
+    carry, ys = streamed_scan(
+        scan_body, carry, weights, xs, length=params["length"],
+        reverse=params["reverse"],
+        prefetch=self.schedule.prefetch_for(group))
+    return list(carry) + list(ys)
+
+  def _issue_stores(self, i: int) -> None:
+    for key, at in self.store_after.items():
+      if at == i and key not in self.stored:
+        self._store(key)
+
+  def _store(self, key: Any) -> None:
+    self.stored.add(key)
+    value = self._read_output(key)
+    self.stores_in_flight.append(store_start(self.stores[key], value))
+    while len(self.stores_in_flight) > _STORES_IN_FLIGHT:
+      store_done(self.stores_in_flight.popleft())
+
+  def _read_output(self, key: Any) -> Any:
+    if isinstance(key, _Lit):
+      return key.value
+    if key in self.planner.resident:  # an input returned elsewhere
+      target = self.planner.resident[key]
+      if isinstance(target, PoolArray):
+        return fetch_done(fetch_start(self.env[key]))
+      return jax.device_put(self.env[key],
+                            target.sharding.with_memory_kind("device"))
+    return self.env[key]
+
+  def run(self) -> None:
+    last = None
+    self._issue_stores(-1)
+    for i, node in enumerate(self.program.nodes):
+      for c in self.planner.starts_at.get(i, ()):
+        self._start(c, last)
+      streamed = self.planner.streamed.get(i)
+      if streamed:
+        outs = self._streamed_scan(node, streamed, i)
+      else:
+        outs = jax_compat.bind(node.eqn, [self._read(a, i) for a in node.ins])
+      for key, value in zip(node.outs, outs):
+        self.env[key] = value
+      if outs:
+        last = outs[0]
+      for c in [c for c in self.planner.clusters if c.last == i]:
+        self.fetched.pop(id(c), None)  # the buffer dies after its cluster
+      self._issue_stores(i)
+    for key in self.stores:
+      if key not in self.stored:
+        self._store(key)
+    while self.stores_in_flight:
+      store_done(self.stores_in_flight.popleft())
+
+
+# ------------------------------------------------------------------ step
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+  """What one layer moved and waited for in the steps since the last report."""
+  name: str
+  bytes_fetched: int
+  bytes_stored: int
+  wait_s: float
+  transfers: int
+
+
+def _avals(tree: Any) -> Any:
+  def aval(x):
+    if isinstance(x, PoolArray):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    x = jax.numpy.asarray(x) if not hasattr(x, "shape") else x
+    sharding = getattr(x, "sharding", None)
+    if _is_pinned(x):
+      sharding = sharding.with_memory_kind("device")
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  return jax.tree_util.tree_map(aval, tree, is_leaf=_is_pool_array)
+
+
+class OffloadedStep:
+  """A step rewritten by ``cxl_offload`` (see there)."""
+
+  def __init__(self, fn: Callable, device_budget: int | None,
+               schedule: schedule_lib.FixedSchedule):
+    self._fn = fn
+    self._budget = device_budget
+    self._schedule = schedule
+    self._compiled: dict[Any, Any] = {}
+    self._plans: dict[Any, schedule_lib.Plan] = {}
+    self._groups: dict[int, str] = {}   # handle -> layer name
+    self.plan: schedule_lib.Plan | None = None
+    functools.update_wrapper(self, fn)
+
+  # The traced function: args in, non-pool outputs out.
+  def _run(self, args: tuple[Any, ...]) -> list[Any]:
+    flat, in_tree = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
+    closed, out_shape = jax.make_jaxpr(self._fn, return_shape=True)(
+        *_avals(args))
+    out_flat, out_tree = jax.tree_util.tree_flatten(
+        out_shape, is_leaf=_is_pool_array)
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(
+                 args, is_leaf=_is_pool_array)[0]]
+    program = _Program(closed, len(flat))
+    resident, key_paths, values = {}, {}, {}
+    for i, leaf in enumerate(flat):
+      key = ("in", i)
+      values[key] = leaf
+      if isinstance(leaf, PoolArray) or _is_pinned(leaf):
+        resident[key] = leaf
+        key_paths[key] = leaf.path if isinstance(leaf, PoolArray) and \
+            leaf.path else paths[i]
+    targets = self._state_targets(args, out_shape)
+    planner = _Planner(program, resident, key_paths, self._schedule)
+    stores, store_after = {}, {}
+    returned = []
+    producer = {key: n for n, node in enumerate(program.nodes)
+                for key in node.outs}
+    input_key = {id(leaf): ("in", i) for i, leaf in enumerate(flat)}
+    for j, key in enumerate(program.outputs):
+      target = targets.get(j)
+      if isinstance(target, PoolArray):
+        old = input_key[id(target)]
+        if key == old:
+          continue  # unchanged state: nothing to write
+        stores[key] = target
+        # Written once produced and once the old value has no uses left.
+        store_after[key] = max(producer.get(key, -1),
+                               planner.last_use.get(old, -1))
+      else:
+        returned.append((j, key, target))
+    interpreter = _Interpreter(program, planner, values, self._schedule,
+                               stores, store_after)
+    interpreter.run()
+    out = []
+    for _, key, target in returned:
+      value = interpreter._read_output(key)
+      if target is not None and _is_pinned(target):
+        value = jax.device_put(value, target.sharding)
+      out.append(value)
+    self._record_plan(planner, key_paths, resident)
+    return out
+
+  def _state_targets(self, args: tuple[Any, ...], out_shape: Any
+                     ) -> dict[int, Any]:
+    """Output leaf index -> the pool-resident (or pinned) input it updates.
+
+    Argument ``a`` holding pool-resident or pinned leaves is state: output
+    ``a`` must have the same tree structure, and is written back into it.
+    """
+    name = getattr(self._fn, "__name__", "the step")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        out_shape, is_leaf=_is_pool_array)[0]:
+      if isinstance(leaf, PoolArray):
+        raise TypeError(
+            f"{name} returns {leaf._what()} at output "
+            f"{jax.tree_util.keystr(path)}, a PoolArray it did not receive "
+            "as an argument (a closed-over one?); pass it in as state and "
+            "return its new value instead")
+    outs = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
+    targets = {}
+    offset = 0
+    for a, out in enumerate(outs):
+      out_leaves, out_def = jax.tree_util.tree_flatten(out)
+      arg = args[a] if a < len(args) else None
+      arg_leaves = jax.tree_util.tree_leaves(arg, is_leaf=_is_pool_array)
+      if any(isinstance(l, PoolArray) or _is_pinned(l) for l in arg_leaves):
+        in_def = jax.tree_util.tree_structure(_avals(arg))
+        if out_def != in_def:
+          raise ValueError(
+              f"{name} takes pool-resident state as argument {a} but returns "
+              f"output {a} with a different tree structure ({out_def} vs "
+              f"{in_def}); cxl_offload writes output {a} back into argument "
+              f"{a}'s objects, so its structure must stay the same")
+        for j, (leaf_in, leaf_out) in enumerate(zip(arg_leaves, out_leaves)):
+          if isinstance(leaf_in, PoolArray) and (
+              tuple(leaf_out.shape) != leaf_in.shape or
+              leaf_out.dtype != leaf_in.dtype):
+            raise ValueError(
+                f"{name}: output {a} changes {leaf_in._what()} from "
+                f"{leaf_in.dtype}{list(leaf_in.shape)} to "
+                f"{leaf_out.dtype}{list(leaf_out.shape)}")
+          targets[offset + j] = leaf_in
+      offset += len(out_leaves)
+    return targets
+
+  def _record_plan(self, planner: _Planner, paths: dict, resident: dict):
+    layers = collections.OrderedDict()
+    for c in planner.clusters + [
+        _Cluster(k, i, i) for i, s in planner.streamed.items()
+        for k in s.values()]:
+      target = resident[c.key]
+      if not isinstance(target, PoolArray):
+        continue
+      name = _group(paths[c.key])
+      entry = layers.setdefault(name, {"keys": {}, "tiers": set()})
+      entry["keys"][c.key] = target
+      entry["tiers"].add(target.tier.value)
+      for _, handle in target.local_handles:
+        self._groups[handle] = name
+    rows = []
+    for name, entry in layers.items():
+      nbytes = sum(int(np.prod(t.shard_shape)) * t.dtype.itemsize
+                   for t in entry["keys"].values())
+      rows.append(schedule_lib.LayerPlan(
+          name=name, nbytes=nbytes, tiers=tuple(sorted(entry["tiers"])),
+          prefetch=self._schedule.prefetch_for(name),
+          chunk_bytes=self._schedule.chunk_bytes))
+    self.plan = schedule_lib.Plan(tuple(rows), str(self._schedule))
+
+  def _signature(self, args: tuple[Any, ...]) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
+    parts = []
+    for leaf in leaves:
+      if isinstance(leaf, PoolArray):
+        parts.append(jax.tree_util.tree_structure(leaf))
+      else:
+        parts.append((tuple(np.shape(leaf)), str(getattr(leaf, "dtype", "")),
+                      getattr(leaf, "sharding", None)))
+    return treedef, tuple(parts)
+
+  def lower(self, *args):
+    return jax.jit(lambda *a: self._run(a)).lower(*args)
+
+  def __call__(self, *args):
+    for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array):
+      if isinstance(leaf, PoolArray):
+        registry.find_pool(leaf.pool_id, what=leaf._what())
+    key = self._signature(args)
+    entry = self._compiled.get(key)
+    if entry is None:
+      compiled = self.lower(*args).compile()
+      self._check_budget(compiled)
+      out_shape = jax.eval_shape(self._fn, *_avals(args))
+      out_tree = jax.tree_util.tree_structure(out_shape)
+      targets = self._state_targets(args, out_shape)
+      flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+      # Where each output comes from: a state argument's leaf (by its index
+      # among the arguments' leaves) or the compiled step's results.
+      position = {id(leaf): i for i, leaf in enumerate(flat_args)}
+      sources = [position[id(targets[j])] if isinstance(
+          targets.get(j), PoolArray) else None
+                 for j in range(out_tree.num_leaves)]
+      entry = self._compiled[key] = (compiled, out_tree, sources)
+    compiled, out_tree, sources = entry
+    results = iter(compiled(*args))
+    flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+    return jax.tree_util.tree_unflatten(
+        out_tree, [next(results) if src is None else flat_args[src]
+                   for src in sources])
+
+  def _check_budget(self, compiled: Any) -> None:
+    if self._budget is None:
+      return
+    m = compiled.memory_analysis()
+    need = (m.temp_size_in_bytes + m.argument_size_in_bytes +
+            m.output_size_in_bytes - m.alias_size_in_bytes)
+    if need > self._budget:
+      raise MemoryError(
+          f"{self.__name__} needs {format_bytes(need)} of device memory "
+          f"(temporaries {format_bytes(m.temp_size_in_bytes)}, arguments "
+          f"{format_bytes(m.argument_size_in_bytes)}, outputs "
+          f"{format_bytes(m.output_size_in_bytes)}) but device_budget is "
+          f"{format_bytes(self._budget)}: over by "
+          f"{format_bytes(need - self._budget)}. A smaller prefetch distance "
+          f"(schedule='fixed:k', now '{self._schedule}'), a smaller batch, "
+          "or jax.checkpoint (remat) on the layers would help")
+
+  def memory_analysis(self, *args) -> Any:
+    """The compiled step's ``memory_analysis()`` for these arguments."""
+    key = self._signature(args)
+    entry = self._compiled.get(key)
+    compiled = entry[0] if entry else self.lower(*args).compile()
+    return compiled.memory_analysis()
+
+  def report(self) -> list[LayerReport]:
+    """Per layer: bytes moved and time the step waited, since last call."""
+    moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
+    for raw, _, wait_ns in _jcxl.drain_stream_waits():
+      record = TransferRecord.from_tuple(raw)
+      name = self._groups.get(record.handle)
+      if name is None:
+        continue
+      entry = moved[name]
+      entry[1 if record.to_pool else 0] += record.nbytes
+      entry[2] += wait_ns * 1e-9
+      entry[3] += 1
+    return [LayerReport(name, *moved[name]) for name in
+            (l.name for l in (self.plan.layers if self.plan else ()))
+            if name in moved]
+
+
+def cxl_offload(fn: Callable | None = None, *,
+                device_budget: int | str | None = None,
+                schedule: str = "fixed:1") -> Any:
+  """Rewrites a step so that its pool-resident state streams from the pool.
+
+  Arguments holding ``PoolArray`` leaves (placed with ``jcxl.place``) are
+  state: the step's output at the same position must have the same tree
+  structure, and is written back into the same pool objects (in place).
+  ``pinned_host`` leaves move with JAX's own memory-kind transfers; other
+  leaves are passed as they are.
+
+  Example:
+    >>> params = jcxl.place(params, "cxl", pool=pool)
+    >>> opt_state = jcxl.place(opt_state, "cxl", pool=pool)
+    >>> @jcxl.cxl_offload(device_budget="2GiB", schedule="fixed:1")
+    ... def train_step(params, opt_state, batch):
+    ...   loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    ...   updates, opt_state = tx.update(grads, opt_state, params)
+    ...   return optax.apply_updates(params, updates), opt_state, loss
+    >>> params, opt_state, loss = train_step(params, opt_state, batch)
+
+  Args:
+    fn: the step.
+    device_budget: device memory the compiled step may use (bytes or e.g.
+      '2GiB'); checked at compile time against ``memory_analysis()``.
+    schedule: 'fixed:k': fetch each layer's leaves k layers ahead.
+
+  Returns:
+    The rewritten step; ``step.plan`` is the per-layer plan it compiled and
+    ``step.report()`` the bytes moved and time waited per layer.
+  """
+  budget = (None if device_budget is None else
+            parse_bytes(device_budget, name="device_budget"))
+  parsed = schedule_lib.parse_schedule(schedule)
+
+  def wrap(f):
+    return OffloadedStep(f, budget, parsed)
+
+  return wrap if fn is None else wrap(fn)
