@@ -346,6 +346,20 @@ class _Interpreter:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Pinned:
+  """A leaf in JAX's pinned_host memory kind; moved with device_put."""
+  sharding: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+  avals: Any
+  pinned: dict[int, _Pinned]
+  targets: dict[int, int]  # output leaf -> state argument leaf
+  out_tree: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerReport:
   """What one layer moved and waited for in the steps since the last report."""
   name: str
@@ -379,15 +393,27 @@ class OffloadedStep:
     self._plans: dict[Any, schedule_lib.Plan] = {}
     self._groups: dict[int, str] = {}   # handle -> layer name
     self.plan: schedule_lib.Plan | None = None
+    self._last_results: Any = None
     functools.update_wrapper(self, fn)
 
-  # The traced function: args in, non-pool outputs out.
-  def _run(self, args: tuple[Any, ...]) -> list[Any]:
-    flat, in_tree = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
-    closed, out_shape = jax.make_jaxpr(self._fn, return_shape=True)(
-        *_avals(args))
-    out_flat, out_tree = jax.tree_util.tree_flatten(
-        out_shape, is_leaf=_is_pool_array)
+  def _prepare(self, args: tuple[Any, ...]) -> "_Prepared":
+    """What the traced step needs to know about the concrete arguments."""
+    flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+    avals = _avals(args)
+    out_shape = jax.eval_shape(self._fn, *avals)
+    targets = self._state_targets(args, out_shape)
+    position = {id(leaf): i for i, leaf in enumerate(flat)}
+    return _Prepared(
+        avals=avals,
+        pinned={i: _Pinned(leaf.sharding) for i, leaf in enumerate(flat)
+                if _is_pinned(leaf)},
+        targets={j: position[id(t)] for j, t in targets.items()},
+        out_tree=jax.tree_util.tree_structure(out_shape))
+
+  # The traced function: args in, the outputs that are not pool state out.
+  def _run(self, args: tuple[Any, ...], prep: "_Prepared") -> list[Any]:
+    flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+    closed = jax.make_jaxpr(self._fn)(*prep.avals)
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(
                  args, is_leaf=_is_pool_array)[0]]
@@ -396,21 +422,17 @@ class OffloadedStep:
     for i, leaf in enumerate(flat):
       key = ("in", i)
       values[key] = leaf
-      if isinstance(leaf, PoolArray) or _is_pinned(leaf):
-        resident[key] = leaf
-        key_paths[key] = leaf.path if isinstance(leaf, PoolArray) and \
-            leaf.path else paths[i]
-    targets = self._state_targets(args, out_shape)
+      if isinstance(leaf, PoolArray) or i in prep.pinned:
+        resident[key] = prep.pinned.get(i, leaf)
+        key_paths[key] = getattr(leaf, "path", "") or paths[i]
     planner = _Planner(program, resident, key_paths, self._schedule)
-    stores, store_after = {}, {}
-    returned = []
+    stores, store_after, returned = {}, {}, []
     producer = {key: n for n, node in enumerate(program.nodes)
                 for key in node.outs}
-    input_key = {id(leaf): ("in", i) for i, leaf in enumerate(flat)}
     for j, key in enumerate(program.outputs):
-      target = targets.get(j)
+      old = ("in", prep.targets[j]) if j in prep.targets else None
+      target = resident.get(old)
       if isinstance(target, PoolArray):
-        old = input_key[id(target)]
         if key == old:
           continue  # unchanged state: nothing to write
         stores[key] = target
@@ -418,14 +440,14 @@ class OffloadedStep:
         store_after[key] = max(producer.get(key, -1),
                                planner.last_use.get(old, -1))
       else:
-        returned.append((j, key, target))
+        returned.append((key, target))
     interpreter = _Interpreter(program, planner, values, self._schedule,
                                stores, store_after)
     interpreter.run()
     out = []
-    for _, key, target in returned:
+    for key, target in returned:
       value = interpreter._read_output(key)
-      if target is not None and _is_pinned(target):
+      if isinstance(target, _Pinned):  # back to JAX's pinned host memory
         value = jax.device_put(value, target.sharding)
       out.append(value)
     self._record_plan(planner, key_paths, resident)
@@ -510,7 +532,9 @@ class OffloadedStep:
     return treedef, tuple(parts)
 
   def lower(self, *args):
-    return jax.jit(lambda *a: self._run(a)).lower(*args)
+    """Lowers the rewritten step for these arguments (see jax.jit)."""
+    prep = self._prepare(args)
+    return jax.jit(lambda *a: self._run(a, prep)).lower(*args)
 
   def __call__(self, *args):
     for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array):
@@ -519,21 +543,20 @@ class OffloadedStep:
     key = self._signature(args)
     entry = self._compiled.get(key)
     if entry is None:
-      compiled = self.lower(*args).compile()
+      prep = self._prepare(args)
+      compiled = jax.jit(lambda *a: self._run(a, prep)).lower(*args).compile()
       self._check_budget(compiled)
-      out_shape = jax.eval_shape(self._fn, *_avals(args))
-      out_tree = jax.tree_util.tree_structure(out_shape)
-      targets = self._state_targets(args, out_shape)
       flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
-      # Where each output comes from: a state argument's leaf (by its index
-      # among the arguments' leaves) or the compiled step's results.
-      position = {id(leaf): i for i, leaf in enumerate(flat_args)}
-      sources = [position[id(targets[j])] if isinstance(
-          targets.get(j), PoolArray) else None
-                 for j in range(out_tree.num_leaves)]
-      entry = self._compiled[key] = (compiled, out_tree, sources)
+      # Where each output comes from: a pool-resident argument leaf (updated
+      # in place) or the compiled step's results.
+      sources = [prep.targets[j] if isinstance(
+          flat_args[prep.targets.get(j, 0)], PoolArray) and
+                 j in prep.targets else None
+                 for j in range(prep.out_tree.num_leaves)]
+      entry = self._compiled[key] = (compiled, prep.out_tree, sources)
     compiled, out_tree, sources = entry
-    results = iter(compiled(*args))
+    self._last_results = compiled(*args)
+    results = iter(self._last_results)
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     return jax.tree_util.tree_unflatten(
         out_tree, [next(results) if src is None else flat_args[src]
@@ -564,7 +587,11 @@ class OffloadedStep:
     return compiled.memory_analysis()
 
   def report(self) -> list[LayerReport]:
-    """Per layer: bytes moved and time the step waited, since last call."""
+    """Per layer: bytes moved and time the step waited, since last call.
+
+    Waits for the steps already dispatched to finish first.
+    """
+    jax.block_until_ready(self._last_results)
     moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
     for raw, _, wait_ns in _jcxl.drain_stream_waits():
       record = TransferRecord.from_tuple(raw)

@@ -1,0 +1,254 @@
+"""Tests of jcxl.cxl_offload: offloaded steps equal resident ones."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jcxl
+from jcxl._src.transform import cxl_offload
+import numpy as np
+import optax
+import pytest
+
+P = jax.sharding.PartitionSpec
+LAYERS, DIM, BATCH = 3, 32, 8
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-3),
+    "sgd_momentum": lambda: optax.sgd(5e-2, momentum=0.9),
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                      optax.adamw(1e-2)),
+}
+
+
+def unrolled_model():
+  rng = np.random.default_rng(0)
+  params = {f"layer{i}": {"w": rng.normal(size=(DIM, DIM)).astype(
+      np.float32) * 0.3, "b": np.zeros(DIM, np.float32)}
+            for i in range(LAYERS)}
+  params["head"] = {"w": rng.normal(size=(DIM, 8)).astype(np.float32) * 0.3}
+
+  def loss_fn(p, x):
+    h = x
+    for i in range(LAYERS):
+      h = jnp.tanh(h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+    return jnp.mean((h @ p["head"]["w"]) ** 2)
+  return params, loss_fn
+
+
+def scanned_model():
+  rng = np.random.default_rng(1)
+  params = {"blocks": {"w": rng.normal(size=(LAYERS, DIM, DIM)).astype(
+      np.float32) * 0.3, "b": np.zeros((LAYERS, DIM), np.float32)},
+            "head": {"w": rng.normal(size=(DIM, 8)).astype(np.float32) * 0.3}}
+
+  def loss_fn(p, x):
+    def body(h, layer):
+      return jnp.tanh(h @ layer["w"] + layer["b"]), None
+    h = jax.lax.scan(body, x, p["blocks"])[0]
+    return jnp.mean((h @ p["head"]["w"]) ** 2)
+  return params, loss_fn
+
+
+MODELS = {"unrolled": unrolled_model, "scanned": scanned_model}
+
+
+def make_step(loss_fn, tx):
+  def train_step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return train_step
+
+
+def fsdp_sharding(mesh, leaf):
+  """Shards the last axis over 'fsdp' where it divides, else replicates."""
+  shape = np.shape(leaf)
+  if shape and shape[-1] % mesh.size == 0:
+    return jax.sharding.NamedSharding(
+        mesh, P(*([None] * (len(shape) - 1)), "fsdp"))
+  return jax.sharding.NamedSharding(mesh, P())
+
+
+@pytest.fixture
+def pool():
+  with jcxl.Pool(host="64MiB", cxl="256MiB") as p:
+    yield p
+
+
+def pool_leaves(tree):
+  return jax.tree.leaves(tree, is_leaf=lambda l: isinstance(l, jcxl.PoolArray))
+
+
+def assert_trees_close(a, b, rtol):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol,
+                               atol=1e-7)
+
+
+class EqualityTest:
+
+  @pytest.mark.parametrize("devices", [1, 8])
+  @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+  @pytest.mark.parametrize("model", sorted(MODELS))
+  def test_five_steps_equal_resident(self, pool, model, optimizer, devices):
+    params, loss_fn = MODELS[model]()
+    tx = OPTIMIZERS[optimizer]()
+    step = make_step(loss_fn, tx)
+    x = np.random.default_rng(2).normal(size=(BATCH, DIM)).astype(np.float32)
+    opt_state = tx.init(params)
+    if devices == 1:
+      shard = lambda tree: None
+    else:
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
+      shard = lambda tree: jax.tree.map(
+          lambda leaf: fsdp_sharding(mesh, leaf), tree)
+    ref_p = jax.tree.map(jax.device_put, params, shard(params)) \
+        if devices > 1 else params
+    ref_s = jax.tree.map(jax.device_put, opt_state, shard(opt_state)) \
+        if devices > 1 else opt_state
+    resident = jax.jit(step)
+    off_p = jcxl.place(params, "cxl", pool=pool, sharding=shard(params))
+    off_s = jcxl.place(opt_state, "cxl", pool=pool, sharding=shard(opt_state))
+    offloaded = cxl_offload(step, schedule="fixed:1")
+    for _ in range(5):
+      ref_p, ref_s, ref_loss = resident(ref_p, ref_s, x)
+      new_p, new_s, loss = offloaded(off_p, off_s, x)
+      for new, old in ((new_p, off_p), (new_s, off_s)):  # updated in place
+        assert all(a is b for a, b in zip(pool_leaves(new), pool_leaves(old)))
+      np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    # 1 device: bit-identical; 8 devices: XLA partitions the two programs
+    # differently, so reductions may round differently (stated: 1e-6).
+    rtol = 0 if devices == 1 else 1e-6
+    assert_trees_close(jcxl.gather(off_p), ref_p, rtol)
+    assert_trees_close(jcxl.gather(off_s), ref_s, rtol)
+    handles = {h for leaf in pool_leaves(off_p) for _, h in leaf.local_handles}
+    assert len(handles) == devices * len(jax.tree.leaves(params))
+
+
+class CompiledStepTest:
+
+  def test_custom_calls_in_hlo_and_streamed_scan(self, pool):
+    params, loss_fn = scanned_model()
+    tx = optax.sgd(0.1)
+    step = cxl_offload(make_step(loss_fn, tx))
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    text = step.lower(p, s, np.ones((BATCH, DIM), np.float32)).as_text()
+    assert text.count("jcxl_fetch_start") >= 4
+    assert "jcxl_store_start" in text
+    assert "stablehlo.while" in text  # the scans stay loops
+
+  def test_compiles_once(self, pool):
+    params, loss_fn = unrolled_model()
+    tx = optax.sgd(0.1)
+    traces = []
+
+    def counted(p, x):
+      traces.append(1)
+      return loss_fn(p, x)
+
+    step = cxl_offload(make_step(counted, tx))
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    x = np.ones((BATCH, DIM), np.float32)
+    step(p, s, x)
+    n = len(traces)
+    for _ in range(3):
+      step(p, s, x)
+    assert len(traces) == n
+
+  def test_plan_and_report(self, pool):
+    params, loss_fn = unrolled_model()
+    tx = optax.sgd(0.1)
+    step = cxl_offload(make_step(loss_fn, tx), schedule="fixed:2")
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    jcxl._jcxl.drain_stream_waits()
+    step(p, s, np.ones((BATCH, DIM), np.float32))
+    names = [layer.name for layer in step.plan.layers]
+    assert names[:3] == ["['layer0']", "['layer1']", "['layer2']"]
+    layer0 = step.plan.layer("['layer0']")
+    assert layer0.nbytes == (DIM * DIM + DIM) * 4 and layer0.prefetch == 2
+    assert "cxl" in layer0.tiers and "layer0" in str(step.plan)
+    report = {r.name: r for r in step.report()}
+    # Forward, backward and update each fetch the weights; one store.
+    assert report["['layer0']"].bytes_fetched >= 2 * layer0.nbytes
+    assert report["['layer0']"].bytes_stored == layer0.nbytes
+    assert report["['layer0']"].wait_s >= 0
+
+  def test_budget_too_small(self, pool):
+    params, loss_fn = unrolled_model()
+    tx = optax.sgd(0.1)
+    step = cxl_offload(make_step(loss_fn, tx), device_budget="1KiB")
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    with pytest.raises(MemoryError, match=r"over by .*prefetch distance"):
+      step(p, s, np.ones((BATCH, DIM), np.float32))
+
+  def test_mixed_placements(self, pool):
+    params, loss_fn = unrolled_model()
+    tx = optax.adamw(1e-2)
+    step = make_step(loss_fn, tx)
+    x = np.ones((BATCH, DIM), np.float32)
+    ref = jax.jit(step)(params, tx.init(params), x)
+    rules = [(r"layer0", "device"), (r"layer1", "pinned_host"),
+             (r"layer2", "host"), (r".*", "cxl")]
+    p = jcxl.place(params, rules, pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    new_p, _, loss = cxl_offload(step)(p, s, x)
+    np.testing.assert_array_equal(loss, ref[2])
+    assert isinstance(new_p["layer0"]["w"], jax.Array)
+    assert new_p["layer1"]["w"].sharding.memory_kind == "pinned_host"
+    assert new_p["layer2"]["w"] is p["layer2"]["w"]
+    assert_trees_close(jcxl.gather(new_p), ref[0], 0)
+
+
+class BadStepTest:
+
+  def test_closes_over_a_pool_array(self, pool):
+    w = jcxl.place({"w": np.ones((4, 4), np.float32)}, "cxl", pool=pool)["w"]
+    step = cxl_offload(lambda x: x @ w)
+    with pytest.raises(TypeError, match=r"PoolArray \['w'\].*closed over"):
+      step(np.ones((2, 4), np.float32))
+
+  def test_returns_a_pool_array_it_did_not_receive(self, pool):
+    w = jcxl.place({"w": np.ones(4, np.float32)}, "cxl", pool=pool)["w"]
+    step = cxl_offload(lambda x: (x, w))
+    with pytest.raises(TypeError, match=r"did not receive"):
+      step(np.ones(4, np.float32))
+
+  def test_changes_the_state_structure(self, pool):
+    p = jcxl.place({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)},
+                   "cxl", pool=pool)
+    step = cxl_offload(lambda p, x: ({"a": p["a"] * x}, x.sum()))
+    with pytest.raises(ValueError, match=r"different tree structure"):
+      step(p, np.ones(4, np.float32))
+    step = cxl_offload(lambda p, x: ({"a": p["a"][:2], "b": p["b"]}, x))
+    with pytest.raises(ValueError, match=r"changes PoolArray \['a'\]"):
+      step(p, np.ones(4, np.float32))
+
+  def test_unsupported_primitive_on_pool_value(self, pool):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    p = jcxl.place({"w": np.ones(4, np.float32)}, "cxl", pool=pool)
+
+    def step(p, x):
+      f = jax.shard_map(lambda w: w * 2, mesh=mesh, in_specs=P(),
+                        out_specs=P())
+      return p, f(p["w"]).sum() + x
+
+    with pytest.raises(NotImplementedError,
+                       match=r"PoolArray \['w'\] into a 'shard_map'"):
+      cxl_offload(step)(p, jnp.float32(1))
+
+  def test_bad_schedule_and_budget(self):
+    with pytest.raises(ValueError, match=r"schedule must be 'fixed:k'"):
+      cxl_offload(lambda x: x, schedule="adaptive")
+    with pytest.raises(ValueError, match=r"device_budget must be a byte"):
+      cxl_offload(lambda x: x, device_budget="lots")
+
+  def test_closed_pool(self):
+    pool = jcxl.Pool(host="8MiB", cxl="8MiB")
+    p = jcxl.place({"w": np.ones(4, np.float32)}, "cxl", pool=pool)
+    pool.close()
+    with pytest.raises(jcxl.PoolClosedError, match=r"\['w'\]"):
+      cxl_offload(lambda p: p)(p)
