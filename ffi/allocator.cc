@@ -158,6 +158,10 @@ std::vector<Move> ExtentAllocator::Compact() {
 
 HybridAllocator::HybridAllocator(uint64_t capacity, HybridOptions options)
     : options_(options), extents_(capacity, options.alignment) {
+  // A class larger than a span would have no slot in it: such sizes are
+  // extent objects.
+  options_.slab_max_bytes =
+      std::min(options_.slab_max_bytes, options_.span_bytes);
   if (options_.slab_max_bytes > 0) {
     // 16-byte steps to 128, then steps of about 25%: at most ~20% of a slab
     // object is padding, and slab objects are a small share of the bytes.
@@ -224,6 +228,7 @@ StatusOr<Allocation> HybridAllocator::Allocate(uint64_t bytes) {
       span.free_slots.resize(slots);
       // Hand out low slots first: objects pack towards the span's start.
       for (uint32_t i = 0; i < slots; ++i) span.free_slots[i] = slots - 1 - i;
+      span.live_slots.assign(slots, false);
       partial.insert(id);
       ++slab_spans_;
     }
@@ -232,6 +237,7 @@ StatusOr<Allocation> HybridAllocator::Allocate(uint64_t bytes) {
     allocation.span = id;
     allocation.slot = span.free_slots.back();
     span.free_slots.pop_back();
+    span.live_slots[allocation.slot] = true;
     ++span.used;
     if (span.free_slots.empty()) partial.erase(id);
     ++slab_objects_;
@@ -257,6 +263,14 @@ Status HybridAllocator::Free(const Allocation& allocation) {
                     "no slab span " + std::to_string(allocation.span));
     }
     Span& span = spans_[allocation.span];
+    if (allocation.slot >= span.live_slots.size() ||
+        !span.live_slots[allocation.slot]) {
+      return Status(Code::kNotFound, "slot " + std::to_string(allocation.slot) +
+                                         " of slab span " +
+                                         std::to_string(allocation.span) +
+                                         " is not in use");
+    }
+    span.live_slots[allocation.slot] = false;
     span.free_slots.push_back(allocation.slot);
     --span.used;
     --slab_objects_;
@@ -267,6 +281,8 @@ Status HybridAllocator::Free(const Allocation& allocation) {
       span.size_class = -1;
       span.free_slots.clear();
       span.free_slots.shrink_to_fit();
+      span.live_slots.clear();
+      span.live_slots.shrink_to_fit();
       free_span_ids_.push_back(allocation.span);
       --slab_spans_;
     } else {

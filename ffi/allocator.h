@@ -134,6 +134,7 @@ class HybridAllocator {
     int size_class = -1;  // -1: span id free for reuse
     uint32_t used = 0;
     std::vector<uint32_t> free_slots;
+    std::vector<bool> live_slots;  // catches a slot freed twice
   };
   int ClassOf(uint64_t bytes) const;
   uint32_t SlotsPerSpan(int size_class) const;

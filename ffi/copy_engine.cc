@@ -25,8 +25,9 @@ void SleepUntil(int64_t deadline_ns) {
 
 Status Ticket::Wait(int64_t timeout_ns) {
   std::unique_lock<std::mutex> lock(mu_);
-  const bool finished = cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns),
-                                     [this] { return done_; });
+  const bool finished = cv_.wait_for(
+      lock, std::chrono::nanoseconds(std::min(timeout_ns, kMaxTimeoutNs)),
+      [this] { return done_; });
   if (!finished) {
     return Status(Code::kTimeout,
                   "transfer " + std::to_string(record_.id) + " of handle " +
@@ -90,12 +91,16 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
   record.bytes = request->spec.bytes;
   record.priority = request->spec.priority;
   record.queued_ns = NowNs();
+  // Decided under the lock: once the chunks are queued a worker may fail and
+  // finish the request, so its status is no longer ours to read.
+  bool closed = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     record.id = next_id_++;
     request->ticket->record_ = record;
     if (stopping_) {
       request->status = Status(Code::kClosed, "the pool is closed");
+      closed = true;
     } else {
       const uint64_t bytes = request->spec.bytes;
       const uint64_t chunks = bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
@@ -108,7 +113,7 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
       }
     }
   }
-  if (!request->status.ok()) {
+  if (closed) {
     Finish(request);
   } else {
     cv_.notify_all();
@@ -141,7 +146,10 @@ void CopyEngine::WorkerLoop() {
         request.spec.record.started_ns = NowNs();
       }
     }
-    const uint64_t needed = Arena::BounceBytes(chunk.bytes);
+    // aligned_alloc wants a size that is a multiple of the alignment.
+    const uint64_t needed =
+        (Arena::BounceBytes(chunk.bytes) + kBlockBytes - 1) / kBlockBytes *
+        kBlockBytes;
     if (needed > bounce_size) {
       free(bounce);
       bounce = static_cast<char*>(aligned_alloc(kBlockBytes, needed));
@@ -160,12 +168,16 @@ void CopyEngine::RunChunk(const Chunk& chunk, char* bounce) {
     status = Status(Code::kExhausted, "copy engine: no memory for a buffer");
   } else {
     const int64_t deadline =
-        spec.link ? spec.link->Reserve(chunk.bytes, chunk.offset == 0) : 0;
+        spec.link ? spec.link->Reserve(chunk.bytes) : 0;
     char* buffer = static_cast<char*>(spec.buffer) + chunk.offset;
     const uint64_t offset = spec.arena_offset + chunk.offset;
-    status = spec.direction == Direction::kFromPool
-                 ? spec.arena->Read(offset, buffer, chunk.bytes, bounce)
-                 : spec.arena->Write(offset, buffer, chunk.bytes, bounce);
+    if (chunk.bytes == 0) {
+      // An empty request (its buffer may be null): nothing to copy.
+    } else if (spec.direction == Direction::kFromPool) {
+      status = spec.arena->Read(offset, buffer, chunk.bytes, bounce);
+    } else {
+      status = spec.arena->Write(offset, buffer, chunk.bytes, bounce);
+    }
     if (deadline > 0) SleepUntil(deadline);
   }
   bool last;

@@ -41,6 +41,10 @@ struct TransferRecord {
   bool ok = true;
 };
 
+// The longest wait a timeout gives (about 36 years): a longer one, such as
+// INT64_MAX for "no deadline", would overflow steady_clock::now() + timeout.
+constexpr int64_t kMaxTimeoutNs = int64_t{1} << 60;
+
 // Completion of one request; waited on by the caller.
 class Ticket {
  public:

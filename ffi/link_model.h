@@ -40,9 +40,10 @@ class LinkModel {
   }
 
   // Books `bytes` on the link behind every earlier booking and returns the
-  // steady-clock time (ns) before which they must not be delivered. The
-  // first chunk of a transfer also pays the per-transfer latency.
-  int64_t Reserve(uint64_t bytes, bool first_chunk) {
+  // steady-clock time (ns) before which they must not be delivered: the end
+  // of their booking plus the latency. Latency is pipelined (it does not
+  // occupy the link), so a chunked transfer pays it once overall.
+  int64_t Reserve(uint64_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t now = NowNs();
     const int64_t wire_ns =
@@ -51,7 +52,7 @@ class LinkModel {
                                    bytes_per_second_)
             : 0;
     busy_until_ns_ = std::max(busy_until_ns_, now) + wire_ns;
-    return busy_until_ns_ + (first_chunk ? latency_ns_ : 0);
+    return busy_until_ns_ + latency_ns_;
   }
 
  private:

@@ -249,12 +249,17 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
 }
 
 Status Pool::WaitUnpinned(std::unique_lock<std::mutex>& lock,
-                          int64_t timeout_ns, const Object* object) {
+                          int64_t timeout_ns, int64_t index) {
+  // By index, not by pointer: while the lock is released, Allocate may grow
+  // objects_ and Close may clear it.
   auto idle = [&] {
-    return object ? object->pins == 0 : total_pins_ == 0;
+    if (index < 0) return total_pins_ == 0;
+    return static_cast<size_t>(index) >= objects_.size() ||
+           objects_[index].pins == 0;
   };
-  if (!unpinned_cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns),
-                             idle)) {
+  if (!unpinned_cv_.wait_for(
+          lock, std::chrono::nanoseconds(std::min(timeout_ns, kMaxTimeoutNs)),
+          idle)) {
     return Status(Code::kTimeout,
                   "transfers still in flight after " +
                       std::to_string(timeout_ns / 1000000) + " ms");
@@ -271,16 +276,18 @@ Status Pool::Free(int32_t handle, int64_t timeout_ns) {
   std::unique_lock<std::mutex> lock(mu_);
   StatusOr<Object*> found = Lookup(handle);
   if (!found.ok()) return found.status();
-  Object* object = *found;
-  Status waited = WaitUnpinned(lock, timeout_ns, object);
+  Status waited = WaitUnpinned(lock, timeout_ns,
+                               static_cast<uint32_t>(handle) & kIndexMask);
   if (!waited.ok()) {
     return Status(Code::kTimeout, "cannot free handle " +
                                       std::to_string(handle) + ": " +
                                       waited.message());
   }
-  // The wait released the lock: the handle may have been freed meanwhile.
+  // The wait released the lock: the handle may have been freed meanwhile,
+  // and the object may have moved (objects_ grew).
   found = Lookup(handle);
   if (!found.ok()) return found.status();
+  Object* object = *found;
   TierArena& arena = tiers_[object->tier].arenas[object->arena];
   const uint64_t old_top = arena.allocator->extents().top();
   JCXL_RETURN_IF_ERROR(arena.allocator->Free(object->allocation));
@@ -336,7 +343,8 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
   };
   ++object->pins;
   ++total_pins_;
-  lock.unlock();
+  // Submitted under the lock: Close() takes the engine away only under it,
+  // after setting closed_ (so Submit never finishes a request inline here).
   return engine_->Submit(std::move(request));
 }
 
@@ -426,7 +434,7 @@ Status Pool::Compact(int64_t timeout_ns) {
     return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
   }
   compacting_ = true;
-  Status waited = WaitUnpinned(lock, timeout_ns, nullptr);
+  Status waited = WaitUnpinned(lock, timeout_ns, -1);
   Status result = waited;
   if (waited.ok()) {
     for (Tier& tier : tiers_) {
@@ -517,9 +525,12 @@ Status Pool::Close(int64_t timeout_ns) {
   }
   closed_ = true;  // from here every new request fails
   // Let transfers already queued finish; past the timeout they are failed.
-  Status waited = WaitUnpinned(lock, timeout_ns, nullptr);
+  Status waited = WaitUnpinned(lock, timeout_ns, -1);
+  // Taken under the lock (DrainRecords and Transfer read engine_), destroyed
+  // outside it: its workers' completions take the lock to unpin.
+  std::unique_ptr<CopyEngine> engine = std::move(engine_);
   lock.unlock();
-  engine_.reset();  // joins the workers; queued transfers fail as kClosed
+  engine.reset();  // joins the workers; queued transfers fail as kClosed
   lock.lock();
   for (Tier& tier : tiers_) tier.arenas.clear();  // unmap, remove files
   if (!config_.nvme_dir.empty() && !config_.keep_nvme_files) {

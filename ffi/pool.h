@@ -149,8 +149,9 @@ class Pool {
                                              int priority, uint64_t chunk_bytes,
                                              Direction direction);
   void Unpin(uint32_t index, int tier, Direction direction, uint64_t bytes);
+  // Waits for the transfers of object `index` (all objects if negative).
   Status WaitUnpinned(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
-                      const Object* object);
+                      int64_t index);
   void ReleaseTop(TierArena& arena, uint64_t old_top);
   ObjectInfo InfoOf(int32_t handle, const Object& object);
 

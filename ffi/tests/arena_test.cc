@@ -1,0 +1,374 @@
+// Tests of the memory and file arenas: byte-exact round trips at aligned and
+// unaligned offsets, moves, release, the file arena's edge read-modify-write
+// under concurrent writers, and the file's lifetime.
+#include "arena.h"
+
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "numa.h"
+
+namespace jcxl {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// A kBlockBytes-aligned heap buffer, as the copy engine hands arenas.
+struct Buffer {
+  explicit Buffer(uint64_t bytes)
+      : data(static_cast<char*>(
+            aligned_alloc(kBlockBytes, (bytes + kBlockBytes - 1) /
+                                           kBlockBytes * kBlockBytes))) {}
+  ~Buffer() { free(data); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  char* data;
+};
+
+// Bytes that differ for every seed (a cheap xorshift: sanitizer builds are
+// slow enough).
+std::vector<char> Pattern(uint64_t bytes, uint64_t seed) {
+  std::vector<char> out(bytes);
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (uint64_t i = 0; i < bytes; i += 8) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    std::memcpy(&out[i], &state, std::min<uint64_t>(8, bytes - i));
+  }
+  return out;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+// A fresh directory under `parent`, removed (with what is left in it) when the
+// test ends.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& parent) {
+    std::string templ = parent + "/jcxl_arena_test.XXXXXX";
+    std::vector<char> buffer(templ.begin(), templ.end());
+    buffer.push_back('\0');
+    if (mkdtemp(buffer.data()) != nullptr) path_ = buffer.data();
+  }
+  ~TempDir() {
+    if (path_.empty()) return;
+    std::string command = "rm -rf '" + path_ + "'";
+    if (std::system(command.c_str()) != 0) {
+      std::fprintf(stderr, "could not remove %s\n", path_.c_str());
+    }
+  }
+  bool ok() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// The build tree (ctest runs each test in its build directory), a disk file
+// system where O_DIRECT works; JCXL_TEST_DIR overrides it.
+std::string BuildDir() {
+  const char* dir = std::getenv("JCXL_TEST_DIR");
+  return dir ? dir : ".";
+}
+
+// Where file arenas are tested: the build tree, /tmp (which may be tmpfs
+// elsewhere), and /dev/shm (tmpfs: the buffered fallback).
+std::vector<std::string> FileArenaParents() {
+  std::vector<std::string> parents = {BuildDir()};
+  for (const char* extra : {"/tmp", "/dev/shm"}) {
+    if (access(extra, W_OK) == 0) parents.push_back(extra);
+  }
+  return parents;
+}
+
+std::unique_ptr<FileArena> NewFileArena(const std::string& path,
+                                        bool keep = false) {
+  StatusOr<std::unique_ptr<FileArena>> arena = FileArena::Create(path, keep);
+  CHECK_OK(arena);
+  return std::move(*arena);
+}
+
+TEST(MemoryArenaRoundTrips) {
+  StatusOr<std::unique_ptr<MemoryArena>> created = MemoryArena::Create(
+      6 * kMiB + 123, {});
+  CHECK_OK(created);
+  MemoryArena& arena = **created;
+  CHECK_EQ(reinterpret_cast<uintptr_t>(arena.base()) % kHugePageBytes, 0u);
+  CHECK(arena.bind_error().empty());
+  CHECK_CONTAINS(arena.Describe(), "8.00 MiB");  // rounded up to huge pages
+  // Untouched memory reads as zeros.
+  std::vector<char> zeros(4096, 0), got(4096, 1);
+  CHECK_OK(arena.Read(5 * kMiB, got.data(), got.size(), nullptr));
+  CHECK(got == zeros);
+  for (uint64_t offset : {uint64_t{0}, uint64_t{1}, uint64_t{4095},
+                          uint64_t{12345}, 6 * kMiB + 100}) {
+    const std::vector<char> data = Pattern(7777, offset);
+    CHECK_OK(arena.Write(offset, data.data(), data.size(), nullptr));
+    std::vector<char> back(data.size());
+    CHECK_OK(arena.Read(offset, back.data(), back.size(), nullptr));
+    CHECK(back == data);
+  }
+  // Compaction moves overlap: `to` below `from` by less than the length.
+  const std::vector<char> data = Pattern(300000, 9);
+  CHECK_OK(arena.Write(1 * kMiB + 5000, data.data(), data.size(), nullptr));
+  CHECK_OK(arena.Move(1 * kMiB + 5000, 1 * kMiB + 1000, data.size()));
+  std::vector<char> back(data.size());
+  CHECK_OK(arena.Read(1 * kMiB + 1000, back.data(), back.size(), nullptr));
+  CHECK(back == data);
+  // Release drops whole pages inside the range and keeps the partial ones.
+  CHECK_OK(arena.Write(0, data.data(), 3 * 4096, nullptr));
+  arena.Release(100, 2 * 4096);  // only page 1 lies inside entirely
+  CHECK_OK(arena.Read(0, back.data(), 3 * 4096, nullptr));
+  CHECK(std::memcmp(back.data(), data.data(), 4096) == 0);
+  CHECK(std::memcmp(back.data() + 4096, zeros.data(), 4096) == 0);
+  CHECK(std::memcmp(back.data() + 8192, data.data() + 8192, 4096) == 0);
+}
+
+TEST(MemoryArenaBoundToNodeZero) {
+  // This machine has one NUMA node: binding to node 0 is real, and touched
+  // pages land there.
+  StatusOr<std::unique_ptr<MemoryArena>> created =
+      MemoryArena::Create(4 * kMiB, {0});
+  CHECK_OK(created);
+  MemoryArena& arena = **created;
+  CHECK_EQ(arena.bind_error(), std::string());
+  CHECK_CONTAINS(arena.Describe(), "nodes [0]");
+  const std::vector<char> data = Pattern(3 * 4096, 1);
+  CHECK_OK(arena.Write(4096, data.data(), data.size(), nullptr));
+  StatusOr<std::vector<int>> nodes = numa::PageNodes(arena.base(), 5 * 4096);
+  CHECK_OK(nodes);
+  CHECK_EQ(nodes->size(), 5u);
+  // With huge pages the untouched neighbours may be backed too.
+  for (int i = 1; i <= 3; ++i) CHECK_EQ((*nodes)[i], 0);
+  // A node that cannot exist: the arena still works, and says why it is
+  // not bound.
+  StatusOr<std::unique_ptr<MemoryArena>> bad =
+      MemoryArena::Create(4 * kMiB, {5000});
+  CHECK_OK(bad);
+  CHECK_CONTAINS((*bad)->bind_error(), "out of range");
+  CHECK_CONTAINS((*bad)->Describe(), "binding failed");
+}
+
+// Random reads and writes, aligned and not, at offsets and through buffers
+// that are aligned or not, checked against a byte image of the file.
+void FileRoundTrips(const std::string& parent) {
+  TempDir dir(parent);
+  CHECK(dir.ok());
+  std::unique_ptr<FileArena> arena = NewFileArena(dir.path() + "/arena");
+  std::fprintf(stderr, "  %s\n", arena->Describe().c_str());
+  constexpr uint64_t kSize = 2 * kMiB;
+  std::vector<char> image(kSize, 0);
+  constexpr uint64_t kMaxIo = 70000;
+  Buffer io(kMaxIo + kBlockBytes);
+  Buffer bounce(Arena::BounceBytes(kMaxIo));
+  std::mt19937_64 rng(parent.size());
+  for (int i = 0; i < 200; ++i) {
+    const bool aligned = rng() % 3 == 0;
+    uint64_t offset = rng() % (kSize - kMaxIo);
+    uint64_t bytes = 1 + rng() % kMaxIo;
+    uint64_t shift = rng() % 2 ? rng() % 64 : 0;  // buffer misalignment
+    if (aligned) {
+      offset = offset / kBlockBytes * kBlockBytes;
+      bytes = (bytes + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
+      bytes = std::min<uint64_t>(bytes, kMaxIo / kBlockBytes * kBlockBytes);
+      shift = 0;
+    }
+    char* buffer = io.data + shift;
+    if (rng() % 2) {
+      std::memcpy(buffer, Pattern(bytes, rng()).data(), bytes);
+      CHECK_OK(arena->Write(offset, buffer, bytes, bounce.data));
+      std::memcpy(&image[offset], buffer, bytes);
+    } else {
+      CHECK_OK(arena->Read(offset, buffer, bytes, bounce.data));
+      CHECK(std::memcmp(buffer, &image[offset], bytes) == 0);
+    }
+  }
+  // Everything, in one aligned read.
+  Buffer all(kSize);
+  CHECK_OK(arena->Read(0, all.data, kSize, bounce.data));
+  CHECK(std::memcmp(all.data, image.data(), kSize) == 0);
+}
+
+TEST(FileArenaRoundTripsAtArbitraryOffsets) {
+  for (const std::string& parent : FileArenaParents()) {
+    std::fprintf(stderr, "  in %s\n", parent.c_str());
+    FileRoundTrips(parent);
+  }
+}
+
+TEST(FileArenaUsesDirectIoWhereItCan) {
+  TempDir disk(BuildDir());
+  CHECK(disk.ok());
+  std::unique_ptr<FileArena> on_disk = NewFileArena(disk.path() + "/a");
+  CHECK(on_disk->direct_io());  // the build tree is on ext4 here
+  CHECK_CONTAINS(on_disk->Describe(), "O_DIRECT");
+  // tmpfs takes O_DIRECT since Linux 6.6; before, the arena falls back to
+  // buffered I/O. Either way it says which it uses.
+  if (access("/dev/shm", W_OK) == 0) {
+    TempDir shm("/dev/shm");
+    CHECK(shm.ok());
+    std::unique_ptr<FileArena> in_memory = NewFileArena(shm.path() + "/a");
+    CHECK_CONTAINS(in_memory->Describe(),
+                   in_memory->direct_io() ? "O_DIRECT" : "buffered");
+  }
+}
+
+TEST(FileArenaEdgeWritesKeepNeighbouringBytes) {
+  for (const std::string& parent : FileArenaParents()) {
+    TempDir dir(parent);
+    CHECK(dir.ok());
+    std::unique_ptr<FileArena> arena = NewFileArena(dir.path() + "/arena");
+    Buffer bounce(Arena::BounceBytes(64 * 1024));
+    const std::vector<char> base = Pattern(5 * kBlockBytes, 1);
+    CHECK_OK(arena->Write(0, base.data(), base.size(), bounce.data));
+    std::vector<char> expected = base;
+    // Inside one block; across one boundary; across three blocks with both
+    // ends unaligned; an aligned start with an unaligned end.
+    struct Slice {
+      uint64_t offset, bytes;
+    };
+    for (Slice slice : {Slice{10, 20}, Slice{4090, 12}, Slice{4097, 12000},
+                        Slice{8192, 5}, Slice{20479, 1}}) {
+      const std::vector<char> data = Pattern(slice.bytes, slice.offset);
+      CHECK_OK(arena->Write(slice.offset, data.data(), data.size(),
+                            bounce.data));
+      std::memcpy(&expected[slice.offset], data.data(), data.size());
+      std::vector<char> back(expected.size());
+      CHECK_OK(arena->Read(0, back.data(), back.size(), bounce.data));
+      CHECK(back == expected);
+    }
+  }
+}
+
+TEST(FileArenaConcurrentWritesToAdjacentSlices) {
+  // Two writers own the two halves of one range; the split falls inside a
+  // block, so each write read-modify-writes the block the other also writes.
+  for (const std::string& parent : FileArenaParents()) {
+    TempDir dir(parent);
+    CHECK(dir.ok());
+    std::unique_ptr<FileArena> arena = NewFileArena(dir.path() + "/arena");
+    constexpr uint64_t kBegin = 1000;
+    constexpr uint64_t kSplit = 3 * kBlockBytes + 777;
+    constexpr uint64_t kEnd = 7 * kBlockBytes + 5;
+    constexpr int kRounds = 60;
+    Status errors[2];
+    auto writer = [&](int who, uint64_t begin, uint64_t end) {
+      Buffer bounce(Arena::BounceBytes(end - begin));
+      for (int round = 1; round <= kRounds; ++round) {
+        const std::vector<char> data = Pattern(end - begin, who * 1000 + round);
+        Status status = arena->Write(begin, data.data(), data.size(),
+                                     bounce.data);
+        if (!status.ok()) errors[who] = status;
+      }
+    };
+    std::thread first(writer, 0, kBegin, kSplit);
+    std::thread second(writer, 1, kSplit, kEnd);
+    first.join();
+    second.join();
+    CHECK_OK(errors[0]);
+    CHECK_OK(errors[1]);
+    Buffer bounce(Arena::BounceBytes(kEnd));
+    std::vector<char> back(kEnd - kBegin);
+    CHECK_OK(arena->Read(kBegin, back.data(), back.size(), bounce.data));
+    CHECK(std::memcmp(back.data(), Pattern(kSplit - kBegin, kRounds).data(),
+                      kSplit - kBegin) == 0);
+    CHECK(std::memcmp(back.data() + (kSplit - kBegin),
+                      Pattern(kEnd - kSplit, 1000 + kRounds).data(),
+                      kEnd - kSplit) == 0);
+  }
+}
+
+TEST(FileArenaMoveAndRelease) {
+  TempDir dir(BuildDir());
+  CHECK(dir.ok());
+  std::unique_ptr<FileArena> arena = NewFileArena(dir.path() + "/arena");
+  Buffer bounce(Arena::BounceBytes(9 * kMiB));
+  // Longer than the move's 8 MiB step, and overlapping its destination.
+  const std::vector<char> data = Pattern(9 * kMiB + 4096, 3);
+  const uint64_t from = 3 * kBlockBytes;
+  const uint64_t to = 1 * kBlockBytes;
+  CHECK_OK(arena->Write(from, data.data(), data.size(), bounce.data));
+  CHECK_OK(arena->Move(from, to, data.size()));
+  std::vector<char> back(data.size());
+  CHECK_OK(arena->Read(to, back.data(), back.size(), bounce.data));
+  CHECK(back == data);
+  // Releasing a middle range punches a hole that reads as zeros; releasing
+  // the tail truncates the file.
+  const uint64_t end = from + data.size();
+  arena->Release(to + 100, 4 * kBlockBytes);  // blocks 2..4 whole
+  std::vector<char> head(6 * kBlockBytes);
+  CHECK_OK(arena->Read(0, head.data(), head.size(), bounce.data));
+  CHECK(std::memcmp(head.data() + to, data.data(), kBlockBytes) == 0);
+  for (uint64_t i = 2 * kBlockBytes; i < 5 * kBlockBytes; ++i) {
+    CHECK_EQ(static_cast<int>(head[i]), 0);
+  }
+  CHECK(std::memcmp(head.data() + 5 * kBlockBytes,
+                    data.data() + 4 * kBlockBytes, kBlockBytes) == 0);
+  struct stat st;
+  CHECK_EQ(stat(arena->path().c_str(), &st), 0);
+  CHECK_EQ(static_cast<uint64_t>(st.st_size), end);
+  arena->Release(8 * kBlockBytes, end - 8 * kBlockBytes);
+  CHECK_EQ(stat(arena->path().c_str(), &st), 0);
+  CHECK_EQ(static_cast<uint64_t>(st.st_size), 8 * kBlockBytes);
+  // Reads past the end of the file see zeros.
+  std::vector<char> tail(10000, 1);
+  CHECK_OK(arena->Read(8 * kBlockBytes - 10, tail.data(), tail.size(),
+                       bounce.data));
+  CHECK(std::memcmp(tail.data(), data.data() + 8 * kBlockBytes - 10 - to,
+                    10) == 0);
+  for (size_t i = 10; i < tail.size(); ++i) {
+    CHECK_EQ(static_cast<int>(tail[i]), 0);
+  }
+}
+
+TEST(FileArenaFileIsRemovedUnlessKept) {
+  TempDir dir(BuildDir());
+  CHECK(dir.ok());
+  const std::string gone = dir.path() + "/gone";
+  const std::string kept = dir.path() + "/kept";
+  {
+    std::unique_ptr<FileArena> a = NewFileArena(gone, /*keep=*/false);
+    std::unique_ptr<FileArena> b = NewFileArena(kept, /*keep=*/true);
+    Buffer bounce(Arena::BounceBytes(4096));
+    const std::vector<char> data = Pattern(100, 1);
+    CHECK_OK(b->Write(5, data.data(), data.size(), bounce.data));
+    CHECK(Exists(gone));
+    CHECK(Exists(kept));
+    // The file is created exclusively: a second arena on it is refused.
+    StatusOr<std::unique_ptr<FileArena>> twice = FileArena::Create(gone, false);
+    CHECK_CODE(twice, Code::kIo);
+    CHECK_CONTAINS(twice.status().message(), gone);
+  }
+  CHECK(!Exists(gone));
+  CHECK(Exists(kept));
+  // What a kept file holds is still there.
+  struct stat st;
+  CHECK_EQ(stat(kept.c_str(), &st), 0);
+  CHECK_EQ(static_cast<uint64_t>(st.st_size), kBlockBytes);
+}
+
+TEST(FileArenaInMissingDirectoryFails) {
+  StatusOr<std::unique_ptr<FileArena>> arena =
+      FileArena::Create("./no/such/dir/arena", false);
+  CHECK_CODE(arena, Code::kIo);
+  CHECK_CONTAINS(arena.status().message(), "no/such/dir");
+}
+
+}  // namespace
+}  // namespace jcxl
+
+JCXL_TEST_MAIN()

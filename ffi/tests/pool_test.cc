@@ -1,0 +1,674 @@
+// Tests of the pool: tiers, handles and their generations, spilling, compaction
+// with live objects, waiting for transfers, closing, NUMA placement, and
+// several threads at once (run under ThreadSanitizer too).
+#include "pool.h"
+
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+
+namespace jcxl {
+namespace {
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMiB = 1024 * kKiB;
+constexpr int64_t kMs = 1000000;
+constexpr int64_t kLongWaitNs = 30'000 * kMs;
+
+std::vector<char> Pattern(uint64_t bytes, uint64_t seed) {
+  std::vector<char> out(bytes);
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (uint64_t i = 0; i < bytes; i += 8) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    std::memcpy(&out[i], &state, std::min<uint64_t>(8, bytes - i));
+  }
+  return out;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+// A fresh directory for the nvme tier under the build tree (ctest's working
+// directory; JCXL_TEST_DIR overrides it); removed with its contents at the
+// end of the test if the pool left it.
+class TempDir {
+ public:
+  TempDir() {
+    const char* parent = std::getenv("JCXL_TEST_DIR");
+    std::string templ =
+        std::string(parent ? parent : ".") + "/jcxl_pool_test.XXXXXX";
+    std::vector<char> buffer(templ.begin(), templ.end());
+    buffer.push_back('\0');
+    if (mkdtemp(buffer.data()) != nullptr) path_ = buffer.data();
+  }
+  ~TempDir() {
+    if (path_.empty() || !Exists(path_)) return;
+    std::string command = "rm -rf '" + path_ + "'";
+    if (std::system(command.c_str()) != 0) {
+      std::fprintf(stderr, "could not remove %s\n", path_.c_str());
+    }
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+PoolConfig ThreeTiers(const std::string& nvme_dir, uint64_t host = 8 * kMiB,
+                      uint64_t cxl = 8 * kMiB, uint64_t nvme = 32 * kMiB) {
+  PoolConfig config;
+  config.tiers[0].capacity = host;
+  config.tiers[0].nodes = {0};  // this machine's only node: binding is real
+  config.tiers[1].capacity = cxl;
+  config.tiers[1].emulated = true;
+  config.tiers[2].capacity = nvme;
+  config.nvme_dir = nvme_dir;
+  config.copy_threads = 2;
+  config.chunk_bytes = 256 * kKiB;
+  return config;
+}
+
+std::shared_ptr<Pool> NewPool(const PoolConfig& config) {
+  StatusOr<std::shared_ptr<Pool>> pool = Pool::Create(config);
+  CHECK_OK(pool);
+  return *pool;
+}
+
+int32_t Alloc(Pool& pool, TierKind tier, uint64_t bytes) {
+  StatusOr<int32_t> handle = pool.Allocate(tier, bytes, {int64_t(bytes)}, "u8");
+  CHECK_OK(handle);
+  CHECK_GT(*handle, 0);
+  return *handle;
+}
+
+Status WriteNow(Pool& pool, int32_t handle, const std::vector<char>& data,
+                uint64_t offset = 0) {
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool.Write(handle, data.data(), data.size(), offset, 0, 0);
+  if (!ticket.ok()) return ticket.status();
+  return (*ticket)->Wait(kLongWaitNs);
+}
+
+StatusOr<std::vector<char>> ReadNow(Pool& pool, int32_t handle, uint64_t bytes,
+                                    uint64_t offset = 0) {
+  std::vector<char> out(bytes);
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool.Read(handle, out.data(), bytes, offset, 0, 0);
+  if (!ticket.ok()) return ticket.status();
+  Status status = (*ticket)->Wait(kLongWaitNs);
+  if (!status.ok()) return status;
+  return out;
+}
+
+TEST(CreateWithThreeTiers) {
+  TempDir dir;
+  PoolConfig config = ThreeTiers(dir.path());
+  std::shared_ptr<Pool> pool = NewPool(config);
+  CHECK(pool->id() > 0);
+  CHECK(Pool::Find(pool->id()) == pool);
+  CHECK(Exists(dir.path() + "/tier.swap"));
+  std::vector<TierStats> stats = pool->Stats();
+  CHECK_EQ(stats.size(), 3u);
+  for (int t = 0; t < kNumTiers; ++t) {
+    CHECK(stats[t].enabled);
+    CHECK_EQ(stats[t].arenas.size(), 1u);
+    CHECK_EQ(static_cast<int>(stats[t].kind), t);
+    CHECK_EQ(stats[t].arenas[0].allocator.capacity,
+             config.tiers[t].capacity);
+  }
+  CHECK_EQ(stats[0].arenas[0].node, 0);
+  CHECK(!stats[0].emulated);
+  CHECK(stats[1].emulated);
+  CHECK_CONTAINS(stats[0].arenas[0].description, "nodes [0]");
+  // Node 0 exists here, so the host tier's binding must have worked.
+  CHECK(stats[0].arenas[0].description.find("binding failed") ==
+        std::string::npos);
+  CHECK_CONTAINS(stats[2].arenas[0].description, "tier.swap");
+  const int32_t id = pool->id();
+  pool.reset();
+  CHECK(Pool::Find(id) == nullptr);
+  CHECK(!Exists(dir.path()));  // the pool's private directory went with it
+}
+
+TEST(CreateRejectsBadConfigs) {
+  PoolConfig no_dir;
+  no_dir.tiers[2].capacity = 1 * kMiB;
+  StatusOr<std::shared_ptr<Pool>> pool = Pool::Create(no_dir);
+  CHECK_CODE(pool, Code::kInvalidArgument);
+  CHECK_CONTAINS(pool.status().message(), "nvme_dir");
+  PoolConfig bad_weights;
+  bad_weights.tiers[0].capacity = 1 * kMiB;
+  bad_weights.tiers[0].nodes = {0};
+  bad_weights.tiers[0].weights = {0.0};
+  pool = Pool::Create(bad_weights);
+  CHECK_CODE(pool, Code::kInvalidArgument);
+  CHECK_CONTAINS(pool.status().message(), "weights must be positive");
+  PoolConfig host_only;
+  host_only.tiers[0].capacity = 1 * kMiB;
+  std::shared_ptr<Pool> ok = NewPool(host_only);
+  StatusOr<int32_t> off = ok->Allocate(TierKind::kCxl, 100, {100}, "u8");
+  CHECK_CODE(off, Code::kInvalidArgument);
+  CHECK_CONTAINS(off.status().message(), "cxl tier is off");
+  CHECK_CODE(ok->Allocate(TierKind::kHost, 0, {0}, "f32"),
+             Code::kInvalidArgument);
+}
+
+TEST(WriteReadRoundTripsInEveryTier) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  for (TierKind tier : {TierKind::kHost, TierKind::kCxl, TierKind::kNvme}) {
+    // A slab object, a large extent object spanning several chunks, and odd
+    // sizes that leave the nvme tier's blocks partly covered.
+    for (uint64_t bytes : {uint64_t{100}, uint64_t{5000},
+                           uint64_t{1 * kMiB + 333}}) {
+      const int32_t handle = Alloc(*pool, tier, bytes);
+      StatusOr<ObjectInfo> info = pool->Info(handle);
+      CHECK_OK(info);
+      CHECK(info->tier == tier);
+      CHECK_EQ(info->bytes, bytes);
+      CHECK_EQ(info->dtype, std::string("u8"));
+      CHECK(info->shape == std::vector<int64_t>{int64_t(bytes)});
+      CHECK_EQ(info->slab, tier != TierKind::kNvme && bytes <= 64 * kKiB);
+      const std::vector<char> data = Pattern(bytes, bytes + int(tier));
+      CHECK_OK(WriteNow(*pool, handle, data));
+      StatusOr<std::vector<char>> back = ReadNow(*pool, handle, bytes);
+      CHECK_OK(back);
+      CHECK(*back == data);
+      // A slice at an unaligned offset, then the whole object again.
+      const uint64_t offset = bytes / 3 + 1;
+      const std::vector<char> slice = Pattern(bytes / 3, 99);
+      CHECK_OK(WriteNow(*pool, handle, slice, offset));
+      StatusOr<std::vector<char>> part = ReadNow(*pool, handle, slice.size(),
+                                                 offset);
+      CHECK_OK(part);
+      CHECK(*part == slice);
+      std::vector<char> expected = data;
+      std::memcpy(&expected[offset], slice.data(), slice.size());
+      back = ReadNow(*pool, handle, bytes);
+      CHECK_OK(back);
+      CHECK(*back == expected);
+    }
+  }
+  const std::vector<TierStats> stats = pool->Stats();
+  for (const TierStats& tier : stats) {
+    CHECK_GT(tier.bytes_written, 0u);
+    CHECK_GT(tier.bytes_read, 0u);
+  }
+  const std::vector<TransferRecord> records = pool->DrainRecords();
+  CHECK_EQ(records.size(), 3u * 3u * 5u);
+  for (const TransferRecord& record : records) {
+    CHECK(record.ok);
+    CHECK_LE(record.queued_ns, record.started_ns);
+    CHECK_LE(record.started_ns, record.finished_ns);
+  }
+}
+
+TEST(OutOfRangeAccessIsRejected) {
+  PoolConfig config;
+  config.tiers[0].capacity = 1 * kMiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  const int32_t handle = Alloc(*pool, TierKind::kHost, 1000);
+  std::vector<char> buffer(2000);
+  CHECK_CODE(pool->Write(handle, buffer.data(), 1001, 0, 0, 0),
+             Code::kInvalidArgument);
+  CHECK_CODE(pool->Read(handle, buffer.data(), 10, 995, 0, 0),
+             Code::kInvalidArgument);
+  CHECK_CODE(pool->Read(handle, buffer.data(), 1, UINT64_MAX, 0, 0),
+             Code::kInvalidArgument);
+  CHECK_CODE(pool->Read(handle, nullptr, 10, 0, 0, 0),
+             Code::kInvalidArgument);
+  StatusOr<std::shared_ptr<Ticket>> empty = pool->Read(handle, nullptr, 0, 0,
+                                                       0, 0);
+  CHECK_OK(empty);
+  CHECK_OK((*empty)->Wait(kLongWaitNs));
+}
+
+TEST(UnknownAndFreedHandlesAreNotFound) {
+  PoolConfig config;
+  config.tiers[0].capacity = 1 * kMiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  std::vector<char> buffer(16);
+  for (int32_t bad : {0, -1, 12345, INT32_MAX}) {
+    CHECK_CODE(pool->Info(bad), Code::kNotFound);
+    CHECK_CODE(pool->Free(bad, kLongWaitNs), Code::kNotFound);
+    CHECK_CODE(pool->Read(bad, buffer.data(), 16, 0, 0, 0), Code::kNotFound);
+  }
+  const int32_t handle = Alloc(*pool, TierKind::kHost, 16);
+  CHECK_OK(pool->Free(handle, kLongWaitNs));
+  StatusOr<ObjectInfo> info = pool->Info(handle);
+  CHECK_CODE(info, Code::kNotFound);
+  CHECK_CONTAINS(info.status().message(), std::to_string(handle));
+  CHECK_CODE(pool->Free(handle, kLongWaitNs), Code::kNotFound);
+  CHECK_CODE(pool->Write(handle, buffer.data(), 16, 0, 0, 0),
+             Code::kNotFound);
+  CHECK_CODE(pool->PageNodes(handle), Code::kNotFound);
+  CHECK(pool->Handles().empty());
+}
+
+TEST(StaleHandleAfterSlotReuseIsRejected) {
+  PoolConfig config;
+  config.tiers[0].capacity = 1 * kMiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  const int32_t first = Alloc(*pool, TierKind::kHost, 64);
+  CHECK_OK(pool->Free(first, kLongWaitNs));
+  const int32_t second = Alloc(*pool, TierKind::kHost, 64);
+  CHECK(second != first);
+  // Same slot, next generation.
+  CHECK_EQ(second & ((1 << 22) - 1), first & ((1 << 22) - 1));
+  CHECK_CODE(pool->Info(first), Code::kNotFound);
+  CHECK_CODE(pool->Free(first, kLongWaitNs), Code::kNotFound);
+  const std::vector<char> data = Pattern(64, 1);
+  CHECK_CODE(WriteNow(*pool, first, data), Code::kNotFound);
+  CHECK_OK(WriteNow(*pool, second, data));
+  CHECK_OK(pool->Info(second));
+  CHECK(pool->Handles() == std::vector<int32_t>{second});
+  // Generations wrap around (9 bits) without ever giving a handle <= 0, and
+  // each reuse rejects the handle before it.
+  int32_t handle = second;
+  for (int i = 0; i < 1100; ++i) {
+    CHECK_OK(pool->Free(handle, kLongWaitNs));
+    const int32_t next = Alloc(*pool, TierKind::kHost, 64);
+    CHECK(next != handle);
+    CHECK_CODE(pool->Info(handle), Code::kNotFound);
+    handle = next;
+  }
+  CHECK_OK(pool->Info(handle));
+}
+
+TEST(FullTierIsExhaustedWithTierName) {
+  TempDir dir;
+  PoolConfig config = ThreeTiers(dir.path(), 1 * kMiB, 1 * kMiB, 1 * kMiB);
+  std::shared_ptr<Pool> pool = NewPool(config);
+  Alloc(*pool, TierKind::kCxl, 768 * kKiB);
+  StatusOr<int32_t> full =
+      pool->Allocate(TierKind::kCxl, 512 * kKiB, {128, 1024}, "f32");
+  CHECK_CODE(full, Code::kExhausted);
+  const std::string& message = full.status().message();
+  CHECK_CONTAINS(message, "cxl tier is full");
+  CHECK_CONTAINS(message, "512.00 KiB");
+  CHECK_CONTAINS(message, "(128, 1024)");
+  CHECK_CONTAINS(message, "f32");
+  CHECK_CONTAINS(message, "spill=True");
+  // Without spilling, the tiers below are not used.
+  CHECK_EQ(pool->Stats()[2].arenas[0].allocator.extent_objects, 0u);
+}
+
+TEST(SpillGoesHostThenCxlThenNvme) {
+  TempDir dir;
+  PoolConfig config = ThreeTiers(dir.path(), 1 * kMiB, 1 * kMiB, 2 * kMiB);
+  config.spill = true;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  std::vector<int32_t> handles;
+  std::vector<TierKind> expected = {TierKind::kHost, TierKind::kCxl,
+                                    TierKind::kNvme, TierKind::kNvme};
+  for (size_t i = 0; i < expected.size(); ++i) {
+    handles.push_back(Alloc(*pool, TierKind::kHost, 768 * kKiB));
+    StatusOr<ObjectInfo> info = pool->Info(handles.back());
+    CHECK_OK(info);
+    CHECK(info->tier == expected[i]);
+    CHECK_OK(WriteNow(*pool, handles.back(), Pattern(768 * kKiB, i)));
+  }
+  // Everything full: the message names every tier it tried.
+  StatusOr<int32_t> none = pool->Allocate(TierKind::kHost, 768 * kKiB, {}, "");
+  CHECK_CODE(none, Code::kExhausted);
+  CHECK_CONTAINS(none.status().message(), "host:");
+  CHECK_CONTAINS(none.status().message(), "cxl:");
+  CHECK_CONTAINS(none.status().message(), "nvme:");
+  // A cxl request never spills up into host.
+  CHECK_OK(pool->Free(handles[0], kLongWaitNs));
+  CHECK_CODE(pool->Allocate(TierKind::kCxl, 768 * kKiB, {}, ""),
+             Code::kExhausted);
+  for (size_t i = 1; i < handles.size(); ++i) {
+    StatusOr<std::vector<char>> back = ReadNow(*pool, handles[i], 768 * kKiB);
+    CHECK_OK(back);
+    CHECK(*back == Pattern(768 * kKiB, i));
+  }
+}
+
+TEST(CompactKeepsDataAndHandles) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  std::mt19937_64 rng(11);
+  std::map<int32_t, std::vector<char>> live;
+  std::vector<int32_t> order;
+  for (TierKind tier : {TierKind::kHost, TierKind::kCxl, TierKind::kNvme}) {
+    for (int i = 0; i < 40; ++i) {
+      const uint64_t bytes =
+          rng() % 2 ? 1 + rng() % 2000 : 64 * kKiB + rng() % (200 * kKiB);
+      const int32_t handle = Alloc(*pool, tier, bytes);
+      live[handle] = Pattern(bytes, handle);
+      CHECK_OK(WriteNow(*pool, handle, live[handle]));
+      order.push_back(handle);
+    }
+  }
+  // Free every other object: holes everywhere, and emptied slab spans.
+  std::map<int32_t, uint64_t> offsets_before;
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (i % 2 == 0) {
+      CHECK_OK(pool->Free(order[i], kLongWaitNs));
+      live.erase(order[i]);
+    }
+  }
+  for (const auto& [handle, data] : live) {
+    offsets_before[handle] = pool->Info(handle)->offset;
+  }
+  uint64_t holes = 0;
+  for (const TierStats& tier : pool->Stats()) {
+    holes += tier.arenas[0].allocator.hole_bytes;
+  }
+  CHECK_GT(holes, 0u);
+  CHECK_OK(pool->Compact(kLongWaitNs));
+  int moved = 0;
+  for (const TierStats& tier : pool->Stats()) {
+    CHECK_EQ(tier.arenas[0].allocator.hole_bytes, 0u);
+  }
+  for (const auto& [handle, data] : live) {
+    StatusOr<ObjectInfo> info = pool->Info(handle);
+    CHECK_OK(info);
+    CHECK_LE(info->offset, offsets_before[handle]);
+    if (info->offset < offsets_before[handle]) ++moved;
+    StatusOr<std::vector<char>> back = ReadNow(*pool, handle, data.size());
+    CHECK_OK(back);
+    CHECK(*back == data);
+  }
+  CHECK_GT(moved, 0);
+  // Handles stay usable for writes and frees after the move.
+  for (const auto& [handle, data] : live) {
+    const std::vector<char> again = Pattern(data.size(), handle + 7);
+    CHECK_OK(WriteNow(*pool, handle, again));
+    StatusOr<std::vector<char>> back = ReadNow(*pool, handle, again.size());
+    CHECK_OK(back);
+    CHECK(*back == again);
+    CHECK_OK(pool->Free(handle, kLongWaitNs));
+  }
+  for (const TierStats& tier : pool->Stats()) {
+    CHECK_EQ(tier.arenas[0].allocator.reserved, 0u);
+  }
+}
+
+TEST(FreeWaitsForTransfersInFlight) {
+  PoolConfig config;
+  config.tiers[1].capacity = 16 * kMiB;
+  config.tiers[1].emulated = true;
+  config.tiers[1].link_bytes_per_second = 100e6;  // 4 MiB: about 42 ms
+  config.chunk_bytes = 512 * kKiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  const int32_t handle = Alloc(*pool, TierKind::kCxl, 4 * kMiB);
+  const std::vector<char> data = Pattern(4 * kMiB, 5);
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool->Write(handle, data.data(), data.size(), 0, 0, 0);
+  CHECK_OK(ticket);
+  // Too short a wait: the object stays.
+  const Status early = pool->Free(handle, 1 * kMs);
+  CHECK_CODE(early, Code::kTimeout);
+  CHECK_CONTAINS(early.message(), "cannot free handle");
+  CHECK_OK(pool->Info(handle));
+  // A long one returns only after the transfer's last chunk (the ticket
+  // itself may wake its waiters a moment later).
+  CHECK_OK(pool->Free(handle, kLongWaitNs));
+  const int64_t freed_at = NowNs();
+  CHECK_CODE(pool->Info(handle), Code::kNotFound);
+  CHECK_OK((*ticket)->Wait(kLongWaitNs));
+  const TransferRecord record = (*ticket)->record();
+  CHECK_LE(record.finished_ns, freed_at);
+  // The link model holds for pool transfers too.
+  CHECK_GE(record.finished_ns - record.queued_ns,
+           static_cast<int64_t>(4 * kMiB / 100e6 * 1e9));
+  CHECK_EQ(pool->Stats()[1].link_bytes_per_second, 100e6);
+}
+
+TEST(FreeWhileOtherThreadsAllocate) {
+  // Free waits with the pool's lock released; objects allocated meanwhile
+  // may grow the object table under it.
+  PoolConfig config;
+  config.tiers[1].capacity = 64 * kMiB;
+  config.tiers[1].link_bytes_per_second = 200e6;
+  config.chunk_bytes = 256 * kKiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  for (int round = 0; round < 3; ++round) {
+    const int32_t handle = Alloc(*pool, TierKind::kCxl, 2 * kMiB);
+    const std::vector<char> data = Pattern(2 * kMiB, round);
+    StatusOr<std::shared_ptr<Ticket>> ticket =
+        pool->Write(handle, data.data(), data.size(), 0, 0, 0);
+    CHECK_OK(ticket);
+    std::atomic<bool> freed{false};
+    std::vector<int32_t> extra;
+    std::thread allocator([&] {
+      while (!freed.load()) {
+        StatusOr<int32_t> h = pool->Allocate(TierKind::kCxl, 16, {}, "");
+        if (h.ok()) extra.push_back(*h);
+        if (extra.size() > 3000) break;
+      }
+    });
+    const Status status = pool->Free(handle, kLongWaitNs);
+    const int64_t freed_at = NowNs();
+    freed = true;
+    allocator.join();
+    CHECK_OK(status);
+    CHECK_OK((*ticket)->Wait(kLongWaitNs));
+    CHECK_LE((*ticket)->record().finished_ns, freed_at);
+    for (int32_t h : extra) CHECK_OK(pool->Free(h, kLongWaitNs));
+  }
+}
+
+TEST(CloseTwiceAndRequestsAfterCloseAreClosed) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t handle = Alloc(*pool, TierKind::kNvme, 10000);
+  CHECK_OK(WriteNow(*pool, handle, Pattern(10000, 1)));
+  CHECK(!pool->closed());
+  CHECK_OK(pool->Close(kLongWaitNs));
+  CHECK(pool->closed());
+  CHECK(!Exists(dir.path()));  // nvme file and directory removed
+  const Status again = pool->Close(kLongWaitNs);
+  CHECK_CODE(again, Code::kClosed);
+  CHECK_CONTAINS(again.message(), "already closed");
+  std::vector<char> buffer(16);
+  CHECK_CODE(pool->Allocate(TierKind::kHost, 16, {}, ""), Code::kClosed);
+  CHECK_CODE(pool->Write(handle, buffer.data(), 16, 0, 0, 0), Code::kClosed);
+  CHECK_CODE(pool->Read(handle, buffer.data(), 16, 0, 0, 0), Code::kClosed);
+  CHECK_CODE(pool->Free(handle, kLongWaitNs), Code::kClosed);
+  CHECK_CODE(pool->Info(handle), Code::kClosed);
+  CHECK_CODE(pool->PageNodes(handle), Code::kClosed);
+  CHECK_CODE(pool->Compact(kLongWaitNs), Code::kClosed);
+  CHECK(pool->Handles().empty());
+  CHECK(pool->DrainRecords().empty());
+  pool->Stats();  // still answers, with no arenas
+}
+
+TEST(CloseWaitsForTransfersAndKeepsFilesWhenAsked) {
+  TempDir dir;
+  PoolConfig config = ThreeTiers(dir.path());
+  config.keep_nvme_files = true;
+  config.tiers[2].link_bytes_per_second = 100e6;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  const int32_t handle = Alloc(*pool, TierKind::kNvme, 2 * kMiB);
+  const std::vector<char> data = Pattern(2 * kMiB, 3);
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool->Write(handle, data.data(), data.size(), 0, 0, 0);
+  CHECK_OK(ticket);
+  CHECK_OK(pool->Close(kLongWaitNs));
+  CHECK((*ticket)->done());
+  CHECK_OK((*ticket)->Wait(0));
+  CHECK(Exists(dir.path() + "/tier.swap"));
+}
+
+TEST(PageNodesOfATouchedObjectAreNodeZero) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t handle = Alloc(*pool, TierKind::kHost, 256 * kKiB);
+  CHECK_OK(WriteNow(*pool, handle, Pattern(256 * kKiB, 1)));
+  StatusOr<std::vector<int>> nodes = pool->PageNodes(handle);
+  CHECK_OK(nodes);
+  CHECK_EQ(nodes->size(), 256 * kKiB / 4096);
+  for (int node : *nodes) CHECK_EQ(node, 0);
+  // A slab object in the same tier.
+  const int32_t small = Alloc(*pool, TierKind::kHost, 100);
+  CHECK_OK(WriteNow(*pool, small, Pattern(100, 2)));
+  nodes = pool->PageNodes(small);
+  CHECK_OK(nodes);
+  CHECK_GE(nodes->size(), 1u);
+  for (int node : *nodes) CHECK_EQ(node, 0);
+  const int32_t on_disk = Alloc(*pool, TierKind::kNvme, 100);
+  StatusOr<std::vector<int>> none = pool->PageNodes(on_disk);
+  CHECK_CODE(none, Code::kInvalidArgument);
+  CHECK_CONTAINS(none.status().message(), "nvme");
+}
+
+TEST(SetLinkChangesTheModel) {
+  PoolConfig config;
+  config.tiers[0].capacity = 4 * kMiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  CHECK_EQ(pool->Stats()[0].link_bytes_per_second, 0.0);
+  CHECK_OK(pool->SetLink(TierKind::kHost, 0, 25 * kMs));
+  CHECK_EQ(pool->Stats()[0].link_latency_ns, 25 * kMs);
+  const int32_t handle = Alloc(*pool, TierKind::kHost, 100);
+  const int64_t start = NowNs();
+  CHECK_OK(WriteNow(*pool, handle, Pattern(100, 1)));
+  CHECK_GE(NowNs() - start, 25 * kMs);
+  CHECK_CODE(pool->SetLink(TierKind::kNvme, 1e9, 0), Code::kInvalidArgument);
+}
+
+// Several threads allocate, write, read back, check and free, while another
+// compacts and reads statistics. Under ThreadSanitizer this must be clean.
+TEST(ConcurrentWritersAndReaders) {
+  TempDir dir;
+  PoolConfig config = ThreeTiers(dir.path(), 16 * kMiB, 16 * kMiB, 32 * kMiB);
+  config.spill = true;
+  config.copy_threads = 3;
+  config.chunk_bytes = 64 * kKiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 40;
+  std::atomic<int> failures{0};
+  std::atomic<bool> done{false};
+  auto worker = [&](int who) {
+    std::mt19937_64 rng(who);
+    std::vector<std::pair<int32_t, std::vector<char>>> mine;
+    for (int round = 0; round < kRounds; ++round) {
+      const TierKind tier = static_cast<TierKind>(rng() % 3);
+      const uint64_t bytes = rng() % 2 ? 1 + rng() % 4000
+                                       : 64 * kKiB + rng() % (300 * kKiB);
+      StatusOr<int32_t> handle = pool->Allocate(tier, bytes, {}, "u8");
+      if (!handle.ok()) {
+        ++failures;
+        continue;
+      }
+      std::vector<char> data = Pattern(bytes, who * 1000 + round);
+      // Two halves written at once, in two tickets, at different priorities.
+      const uint64_t half = bytes / 2;
+      auto first = pool->Write(*handle, data.data(), half, 0, 1, 0);
+      auto second = pool->Write(*handle, data.data() + half, bytes - half,
+                                half, 0, 16 * kKiB);
+      if (!first.ok() || !second.ok() ||
+          !(*first)->Wait(kLongWaitNs).ok() ||
+          !(*second)->Wait(kLongWaitNs).ok()) {
+        ++failures;
+        continue;
+      }
+      mine.emplace_back(*handle, std::move(data));
+      // Read back a random earlier object; free one now and then.
+      auto& [h, expected] = mine[rng() % mine.size()];
+      StatusOr<std::vector<char>> back = ReadNow(*pool, h, expected.size());
+      if (!back.ok() || *back != expected) ++failures;
+      if (mine.size() > 4) {
+        const size_t victim = rng() % mine.size();
+        if (!pool->Free(mine[victim].first, kLongWaitNs).ok()) ++failures;
+        mine.erase(mine.begin() + victim);
+      }
+    }
+    for (auto& [h, expected] : mine) {
+      StatusOr<std::vector<char>> back = ReadNow(*pool, h, expected.size());
+      if (!back.ok() || *back != expected) ++failures;
+      if (!pool->Free(h, kLongWaitNs).ok()) ++failures;
+    }
+  };
+  std::thread housekeeper([&] {
+    int compactions = 0;
+    while (!done.load()) {
+      if (!pool->Compact(kLongWaitNs).ok()) ++failures;
+      ++compactions;
+      pool->Stats();
+      pool->DrainRecords();
+      pool->Handles();
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    if (compactions == 0) ++failures;
+  });
+  std::vector<std::thread> workers;
+  for (int i = 0; i < kThreads; ++i) workers.emplace_back(worker, i);
+  for (std::thread& t : workers) t.join();
+  done = true;
+  housekeeper.join();
+  CHECK_EQ(failures.load(), 0);
+  CHECK(pool->Handles().empty());
+  for (const TierStats& tier : pool->Stats()) {
+    CHECK_EQ(tier.arenas[0].allocator.live, 0u);
+  }
+  CHECK_OK(pool->Close(kLongWaitNs));
+}
+
+// Close while other threads still use the pool: each call either works or
+// says kClosed; nothing crashes, hangs or races.
+TEST(CloseWhileInUse) {
+  TempDir dir;
+  PoolConfig config = ThreeTiers(dir.path());
+  config.copy_threads = 2;
+  config.chunk_bytes = 64 * kKiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  std::atomic<int> unexpected{0};
+  std::atomic<bool> stop{false};
+  auto user = [&](int who) {
+    std::vector<char> buffer(200 * kKiB, static_cast<char>(who));
+    while (!stop.load()) {
+      StatusOr<int32_t> handle = pool->Allocate(
+          static_cast<TierKind>(who % 3), buffer.size(), {}, "u8");
+      if (!handle.ok()) {
+        if (handle.status().code() != Code::kClosed) ++unexpected;
+        continue;
+      }
+      auto ticket = pool->Write(*handle, buffer.data(), buffer.size(), 0, 0,
+                                0);
+      if (ticket.ok()) {
+        const Status status = (*ticket)->Wait(kLongWaitNs);
+        if (!status.ok() && status.code() != Code::kClosed) ++unexpected;
+      } else if (ticket.status().code() != Code::kClosed) {
+        ++unexpected;
+      }
+      const Status freed = pool->Free(*handle, kLongWaitNs);
+      if (!freed.ok() && freed.code() != Code::kClosed) ++unexpected;
+      pool->Stats();
+      pool->DrainRecords();
+    }
+  };
+  std::vector<std::thread> users;
+  for (int i = 0; i < 3; ++i) users.emplace_back(user, i);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK_OK(pool->Close(kLongWaitNs));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  stop = true;
+  for (std::thread& t : users) t.join();
+  CHECK_EQ(unexpected.load(), 0);
+  CHECK(pool->closed());
+}
+
+}  // namespace
+}  // namespace jcxl
+
+JCXL_TEST_MAIN()
