@@ -163,16 +163,18 @@ HybridAllocator::HybridAllocator(uint64_t capacity, HybridOptions options)
   options_.slab_max_bytes =
       std::min(options_.slab_max_bytes, options_.span_bytes);
   if (options_.slab_max_bytes > 0) {
-    // 16-byte steps to 128, then steps of about 25%: at most ~20% of a slab
-    // object is padding, and slab objects are a small share of the bytes.
+    // 16-byte steps to 128, then 2^k x {1, 1.25, 1.5, 1.75}: powers of two
+    // and 1.5 x 2^k (the usual tensor sizes) fit exactly, and no object
+    // pads by more than 25%.
     for (uint64_t size = 16; size <= 128; size += 16) {
       class_sizes_.push_back(size);
     }
-    uint64_t size = 128;
-    while (size < options_.slab_max_bytes) {
-      size = std::min<uint64_t>((size + size / 4 + 15) / 16 * 16,
-                                options_.slab_max_bytes);
-      class_sizes_.push_back(size);
+    for (uint64_t power = 128; power < options_.slab_max_bytes; power *= 2) {
+      for (uint64_t quarter : {5, 6, 7, 8}) {
+        const uint64_t size =
+            std::min<uint64_t>(power * quarter / 4, options_.slab_max_bytes);
+        if (size > class_sizes_.back()) class_sizes_.push_back(size);
+      }
     }
     partial_spans_.resize(class_sizes_.size());
   }

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "allocator.h"
+#include "fast_copy.h"
 #include "numa.h"
 
 namespace jcxl {
@@ -63,13 +64,13 @@ StatusOr<std::unique_ptr<MemoryArena>> MemoryArena::Create(
 MemoryArena::~MemoryArena() { munmap(base_, size_); }
 
 Status MemoryArena::Read(uint64_t offset, void* dst, uint64_t bytes, void*) {
-  std::memcpy(dst, base_ + offset, bytes);
+  CopyLarge(dst, base_ + offset, bytes);
   return Status::Ok();
 }
 
 Status MemoryArena::Write(uint64_t offset, const void* src, uint64_t bytes,
                           void*) {
-  std::memcpy(base_ + offset, src, bytes);
+  CopyLarge(base_ + offset, src, bytes);
   return Status::Ok();
 }
 

@@ -164,11 +164,16 @@ void CopyEngine::RunChunk(const Chunk& chunk, char* bounce) {
   Request& request = *chunk.request;
   const TransferRequest& spec = request.spec;
   Status status;
+  int64_t started_ns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    started_ns = request.spec.record.started_ns;
+  }
   if (bounce == nullptr) {
     status = Status(Code::kExhausted, "copy engine: no memory for a buffer");
   } else {
     const int64_t deadline =
-        spec.link ? spec.link->Reserve(chunk.bytes) : 0;
+        spec.link ? spec.link->Reserve(chunk.bytes, started_ns) : 0;
     char* buffer = static_cast<char*>(spec.buffer) + chunk.offset;
     const uint64_t offset = spec.arena_offset + chunk.offset;
     if (chunk.bytes == 0) {

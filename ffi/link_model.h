@@ -42,8 +42,10 @@ class LinkModel {
   // Books `bytes` on the link behind every earlier booking and returns the
   // steady-clock time (ns) before which they must not be delivered: the end
   // of their booking plus the latency. Latency is pipelined (it does not
-  // occupy the link), so a chunked transfer pays it once overall.
-  int64_t Reserve(uint64_t bytes) {
+  // occupy the link), so a chunked transfer pays it once overall. No booking
+  // starts before `not_before_ns` (when the transfer started), so a transfer
+  // never takes less than its bytes over the bandwidth plus the latency.
+  int64_t Reserve(uint64_t bytes, int64_t not_before_ns) {
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t now = NowNs();
     const int64_t wire_ns =
@@ -51,7 +53,11 @@ class LinkModel {
             ? static_cast<int64_t>(static_cast<double>(bytes) * 1e9 /
                                    bytes_per_second_)
             : 0;
-    busy_until_ns_ = std::max(busy_until_ns_, now) + wire_ns;
+    // A link left idle for a moment within a transfer (both copy threads
+    // descheduled) may catch up by one chunk's worth of time; idle time
+    // beyond that is lost, so the long-run rate never exceeds the cap.
+    busy_until_ns_ =
+        std::max({busy_until_ns_, now - wire_ns, not_before_ns}) + wire_ns;
     return busy_until_ns_ + latency_ns_;
   }
 

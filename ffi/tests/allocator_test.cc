@@ -613,6 +613,19 @@ TEST(RandomizedExtentsBothPolicies) {
   }
 }
 
+TEST(PowerOfTwoAndThreeHalvesSizesFitTheirSlabClassExactly) {
+  HybridAllocator allocator(64 << 20);
+  for (uint64_t bytes : {uint64_t{256}, uint64_t{384}, uint64_t{3072},
+                         uint64_t{4096}, uint64_t{16384}, uint64_t{32768},
+                         uint64_t{49152}, uint64_t{65536}}) {
+    CHECK_EQ(allocator.FootprintOf(bytes), bytes);
+  }
+  // Any other size pads by at most a quarter.
+  for (uint64_t bytes = 129; bytes <= (64 << 10); bytes += 97) {
+    CHECK_LE(allocator.FootprintOf(bytes), bytes + bytes / 4);
+  }
+}
+
 TEST(FormatBytesIsReadable) {
   CHECK_EQ(FormatBytes(0), std::string("0 B"));
   CHECK_EQ(FormatBytes(1023), std::string("1023 B"));

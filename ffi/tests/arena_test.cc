@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "check.h"
+#include "fast_copy.h"
 #include "numa.h"
 
 namespace jcxl {
@@ -366,6 +367,27 @@ TEST(FileArenaInMissingDirectoryFails) {
       FileArena::Create("./no/such/dir/arena", false);
   CHECK_CODE(arena, Code::kIo);
   CHECK_CONTAINS(arena.status().message(), "no/such/dir");
+}
+
+TEST(StreamingCopyIsExactAtEveryAlignment) {
+  const uint64_t bytes = kStreamingCopyMinBytes + 1000;
+  std::vector<char> src = Pattern(bytes + 128, 11);
+  std::vector<char> dst(bytes + 128);
+  for (uint64_t src_offset : {0, 1, 17, 63}) {
+    for (uint64_t dst_offset = 0; dst_offset < 64; ++dst_offset) {
+      for (uint64_t n : {bytes, bytes - 63, uint64_t{4097}}) {
+        std::fill(dst.begin(), dst.end(), 0x5a);
+        CopyLarge(dst.data() + dst_offset, src.data() + src_offset, n);
+        CHECK(std::memcmp(dst.data() + dst_offset, src.data() + src_offset,
+                          n) == 0);
+        // Not one byte outside the destination range is touched.
+        CHECK(std::all_of(dst.begin(), dst.begin() + dst_offset,
+                          [](char c) { return c == 0x5a; }));
+        CHECK(std::all_of(dst.begin() + dst_offset + n, dst.end(),
+                          [](char c) { return c == 0x5a; }));
+      }
+    }
+  }
 }
 
 }  // namespace
