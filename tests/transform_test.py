@@ -252,3 +252,41 @@ class BadStepTest:
     pool.close()
     with pytest.raises(jcxl.PoolClosedError, match=r"\['w'\]"):
       cxl_offload(lambda p: p)(p)
+
+
+class MemoryTest:
+
+  @staticmethod
+  def _totals(depth, pool, tx, prefetch=1, dim=128, batch=8):
+    rng = np.random.default_rng(3)
+    params = {f"l{i:02d}": {"w": rng.normal(size=(dim, dim)).astype(
+        np.float32) * 0.05} for i in range(depth)}
+
+    def loss_fn(p, x):
+      h = x
+      for i in range(depth):
+        h = jnp.tanh(h @ p[f"l{i:02d}"]["w"])
+      return jnp.mean(h ** 2)
+
+    step = make_step(loss_fn, tx)
+    x = rng.normal(size=(batch, dim)).astype(np.float32)
+    total = lambda m: (m.temp_size_in_bytes + m.argument_size_in_bytes +
+                       m.output_size_in_bytes - m.alias_size_in_bytes)
+    resident = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, tx.init(params), x).compile().memory_analysis()
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    offloaded = cxl_offload(step, schedule=f"fixed:{prefetch}"
+                            ).memory_analysis(p, s, x)
+    return total(resident), total(offloaded), dim * dim * 4
+
+  @pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+  def test_device_memory_does_not_grow_with_depth(self, pool, optimizer):
+    tx = OPTIMIZERS[optimizer]()
+    res8, off8, layer = self._totals(8, pool, tx)
+    res16, off16, _ = self._totals(16, pool, tx)
+    # Resident: all weights and optimizer state (and gradients) grow.
+    assert res16 - res8 >= 8 * 2 * layer
+    # Offloaded: a bounded set of layer buffers, whatever the depth.
+    assert off16 - off8 <= layer
+    assert off16 <= 0.35 * res16

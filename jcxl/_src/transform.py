@@ -121,6 +121,93 @@ class _Program:
     return atom
 
 
+def _layer_of(path: str) -> str:
+  """The parameter layer a state leaf belongs to: optimizer-state prefixes
+  (``[0].mu``) dropped, then the module path."""
+  cut = path.find("['")
+  return _group(path[cut:] if cut >= 0 else path)
+
+
+def reorder_by_layer(program: _Program, output_layers: list[str | None],
+                     state_inputs: set[Any]) -> None:
+  """Reorders the program so each layer's update runs as soon as it can.
+
+  In a traced train step an optimizer's work comes in stages over all
+  leaves (every first moment, then every second moment, ...), so every
+  leaf's new state would be live at once. A depth-first emission from the
+  outputs, each layer's outputs taken in the order in which the work they
+  share with other layers (the forward and backward passes) completes,
+  finishes one layer's update before the next layer's starts.
+  """
+  producer = {}
+  for n, node in enumerate(program.nodes):
+    for key in node.outs:
+      producer[key] = n
+
+  def inputs_of(n):
+    out = []
+    for atom in program.nodes[n].ins:
+      key = program.resolve(atom)
+      if not isinstance(key, _Lit) and key in producer:
+        out.append(producer[key])
+    return out
+
+  # Work on the batch (forward, backward, a global gradient norm) orders the
+  # layers; work on state alone (a step count, a schedule) can run anytime.
+  on_data = []
+  for n, node in enumerate(program.nodes):
+    keys = [program.resolve(a) for a in node.ins]
+    on_data.append(any(
+        not isinstance(k, _Lit) and (
+            (k in producer and on_data[producer[k]]) or
+            (k not in producer and k not in state_inputs and k[0] == "in"))
+        for k in keys))
+
+  layers_using = collections.defaultdict(set)  # node -> layers it feeds
+  ancestors_of = {}
+  for j, key in enumerate(program.outputs):
+    if isinstance(key, _Lit) or key not in producer:
+      continue
+    seen, stack = set(), [producer[key]]
+    while stack:
+      n = stack.pop()
+      if n in seen:
+        continue
+      seen.add(n)
+      stack.extend(inputs_of(n))
+    ancestors_of[j] = seen
+    for n in seen:
+      layers_using[n].add(output_layers[j])
+
+  # A layer's outputs go together, once all the work they share with other
+  # layers is done.
+  ready = collections.defaultdict(lambda: -1)
+  for j, ancestors in ancestors_of.items():
+    shared = [n for n in ancestors
+              if on_data[n] and layers_using[n] != {output_layers[j]}]
+    ready[output_layers[j]] = max(ready[output_layers[j]],
+                                  max(shared, default=-1))
+  rank = lambda j: (ready[output_layers[j]], j)
+
+  order, emitted = [], set()
+  for j in sorted(ancestors_of, key=rank):
+    stack = [(producer[program.outputs[j]], False)]
+    while stack:  # iterative post-order, inputs in program order
+      n, expanded = stack.pop()
+      if n in emitted:
+        continue
+      if expanded:
+        emitted.add(n)
+        order.append(n)
+        continue
+      stack.append((n, True))
+      for m in sorted(set(inputs_of(n)), reverse=True):
+        if m not in emitted:
+          stack.append((m, False))
+  order += [n for n in range(len(program.nodes)) if n not in emitted]
+  program.nodes = [program.nodes[n] for n in order]
+
+
 # ------------------------------------------------------------------ plan
 
 
@@ -131,6 +218,7 @@ class _Cluster:
   last: int
   unit: int = -1
   start_at: int = -1
+  after_node: int = -1  # whose output the fetch waits for (-1: none)
 
 
 def _group(path: str) -> str:
@@ -202,9 +290,19 @@ class _Planner:
         unit_first.append(c.first)
         unit_group.append(group)
       c.unit = len(unit_first) - 1
+    unit_last = [0] * len(unit_first)
+    for c in clusters:
+      unit_last[c.unit] = max(unit_last[c.unit], c.last)
     for c in clusters:
       k = schedule.prefetch_for(_group(paths[c.key]))
+      # Issued k units ahead, once the unit before those is done with its
+      # buffers (its last use has produced its output): at most k + 1
+      # units' buffers are then live, even where nothing else orders the
+      # step's work (an optimizer update over independent leaves).
       c.start_at = c.first if k == 0 else unit_first[max(0, c.unit - k)]
+      if c.unit - k - 1 >= 0:
+        c.after_node = unit_last[c.unit - k - 1]
+        c.start_at = min(c.first, max(c.start_at, c.after_node + 1))
     self.clusters = clusters
     self.starts_at = collections.defaultdict(list)
     self.cluster_at: dict[tuple[Any, int], _Cluster] = {}
@@ -238,6 +336,10 @@ class _Interpreter:
 
   def _start(self, c: _Cluster, after: Any) -> None:
     target = self.planner.resident[c.key]
+    if c.after_node >= 0:
+      outs = [self.env[k] for k in self.program.nodes[c.after_node].outs
+              if k in self.env]
+      after = outs[0] if outs else after
     if isinstance(target, PoolArray):
       self.pending[id(c)] = fetch_start(
           self.env[c.key], after=after, priority=c.unit,
@@ -425,6 +527,11 @@ class OffloadedStep:
       if isinstance(leaf, PoolArray) or i in prep.pinned:
         resident[key] = prep.pinned.get(i, leaf)
         key_paths[key] = getattr(leaf, "path", "") or paths[i]
+    output_layers = [
+        _layer_of(key_paths[("in", prep.targets[j])])
+        if j in prep.targets and ("in", prep.targets[j]) in key_paths
+        else None for j in range(len(program.outputs))]
+    reorder_by_layer(program, output_layers, set(resident))
     planner = _Planner(program, resident, key_paths, self._schedule)
     stores, store_after, returned = {}, {}, []
     producer = {key: n for n, node in enumerate(program.nodes)
