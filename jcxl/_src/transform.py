@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
 import logging
 from typing import Any, Callable
 
@@ -29,6 +28,12 @@ import numpy as np
 
 from jcxl import _jcxl
 from jcxl._src import jax_compat
+from jcxl._src.program import Lit
+from jcxl._src.program import Node
+from jcxl._src.program import Program
+from jcxl._src.program import group_of
+from jcxl._src.program import layer_of
+from jcxl._src.program import reorder_by_layer
 from jcxl._src import registry
 from jcxl._src import schedule as schedule_lib
 from jcxl._src.pool import TransferRecord
@@ -43,11 +48,6 @@ from jcxl._src.units import parse_bytes
 
 logger = logging.getLogger(__name__)
 
-# Call-like primitives whose bodies are inlined into the flat program (the
-# step is already differentiated, so custom rules are no longer needed).
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call",
-                     "custom_jvp_call", "custom_vjp_call",
-                     "custom_vjp_call_jaxpr", "checkpoint", "remat"})
 # Higher-order primitives that may take a pool-resident value whole.
 _WHOLE = frozenset({"cond", "while", "scan"})
 # Uses of a leaf further apart than this many equations are separate
@@ -64,150 +64,6 @@ def _is_pinned(x: Any) -> bool:
   return getattr(sharding, "memory_kind", None) == "pinned_host"
 
 
-# ------------------------------------------------------------ flat program
-
-
-@dataclasses.dataclass
-class _Node:
-  eqn: Any
-  ins: list[Any]   # keys or _Lit
-  outs: list[Any]  # keys
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
-class _Lit:
-  value: Any
-
-
-class _Program:
-  """A jaxpr with call-like equations inlined, variables keyed by scope."""
-
-  def __init__(self, closed_jaxpr: Any, num_inputs: int):
-    self.nodes: list[_Node] = []
-    self.alias: dict[Any, Any] = {}
-    self.consts: dict[Any, Any] = {}
-    self._scopes = itertools.count(1)
-    literal = jax_compat.literal_type()
-    self._literal = literal
-    inputs = [("in", i) for i in range(num_inputs)]
-    self._walk(closed_jaxpr.jaxpr, 0, inputs, list(closed_jaxpr.consts))
-    self.outputs = [self.resolve(self._atom(0, v))
-                    for v in closed_jaxpr.jaxpr.outvars]
-
-  def _atom(self, scope, v):
-    return _Lit(v.val) if isinstance(v, self._literal) else (scope, v)
-
-  def _walk(self, jaxpr, scope, in_atoms, const_values):
-    for v, value in zip(jaxpr.constvars, const_values):
-      self.consts[(scope, v)] = value
-    for v, a in zip(jaxpr.invars, in_atoms):
-      self.alias[(scope, v)] = a
-    for eqn in jaxpr.eqns:
-      ins = [self._atom(scope, a) for a in eqn.invars]
-      sub = (jax_compat.sub_jaxpr(eqn)
-             if eqn.primitive.name in _INLINE else None)
-      if sub is not None:
-        inner, inner_consts = sub
-        inner_scope = next(self._scopes)
-        self._walk(inner, inner_scope, ins, inner_consts)
-        for o, inner_o in zip(eqn.outvars, inner.outvars):
-          self.alias[(scope, o)] = self._atom(inner_scope, inner_o)
-      else:
-        self.nodes.append(_Node(eqn, ins, [(scope, o) for o in eqn.outvars]))
-
-  def resolve(self, atom):
-    while not isinstance(atom, _Lit) and atom in self.alias:
-      atom = self.alias[atom]
-    return atom
-
-
-def _layer_of(path: str) -> str:
-  """The parameter layer a state leaf belongs to: optimizer-state prefixes
-  (``[0].mu``) dropped, then the module path."""
-  cut = path.find("['")
-  return _group(path[cut:] if cut >= 0 else path)
-
-
-def reorder_by_layer(program: _Program, output_layers: list[str | None],
-                     state_inputs: set[Any]) -> None:
-  """Reorders the program so each layer's update runs as soon as it can.
-
-  In a traced train step an optimizer's work comes in stages over all
-  leaves (every first moment, then every second moment, ...), so every
-  leaf's new state would be live at once. A depth-first emission from the
-  outputs, each layer's outputs taken in the order in which the work they
-  share with other layers (the forward and backward passes) completes,
-  finishes one layer's update before the next layer's starts.
-  """
-  producer = {}
-  for n, node in enumerate(program.nodes):
-    for key in node.outs:
-      producer[key] = n
-
-  def inputs_of(n):
-    out = []
-    for atom in program.nodes[n].ins:
-      key = program.resolve(atom)
-      if not isinstance(key, _Lit) and key in producer:
-        out.append(producer[key])
-    return out
-
-  # Work on the batch (forward, backward, a global gradient norm) orders the
-  # layers; work on state alone (a step count, a schedule) can run anytime.
-  on_data = []
-  for n, node in enumerate(program.nodes):
-    keys = [program.resolve(a) for a in node.ins]
-    on_data.append(any(
-        not isinstance(k, _Lit) and (
-            (k in producer and on_data[producer[k]]) or
-            (k not in producer and k not in state_inputs and k[0] == "in"))
-        for k in keys))
-
-  layers_using = collections.defaultdict(set)  # node -> layers it feeds
-  ancestors_of = {}
-  for j, key in enumerate(program.outputs):
-    if isinstance(key, _Lit) or key not in producer:
-      continue
-    seen, stack = set(), [producer[key]]
-    while stack:
-      n = stack.pop()
-      if n in seen:
-        continue
-      seen.add(n)
-      stack.extend(inputs_of(n))
-    ancestors_of[j] = seen
-    for n in seen:
-      layers_using[n].add(output_layers[j])
-
-  # A layer's outputs go together, once all the work they share with other
-  # layers is done.
-  ready = collections.defaultdict(lambda: -1)
-  for j, ancestors in ancestors_of.items():
-    shared = [n for n in ancestors
-              if on_data[n] and layers_using[n] != {output_layers[j]}]
-    ready[output_layers[j]] = max(ready[output_layers[j]],
-                                  max(shared, default=-1))
-  rank = lambda j: (ready[output_layers[j]], j)
-
-  order, emitted = [], set()
-  for j in sorted(ancestors_of, key=rank):
-    stack = [(producer[program.outputs[j]], False)]
-    while stack:  # iterative post-order, inputs in program order
-      n, expanded = stack.pop()
-      if n in emitted:
-        continue
-      if expanded:
-        emitted.add(n)
-        order.append(n)
-        continue
-      stack.append((n, True))
-      for m in sorted(set(inputs_of(n)), reverse=True):
-        if m not in emitted:
-          stack.append((m, False))
-  order += [n for n in range(len(program.nodes)) if n not in emitted]
-  program.nodes = [program.nodes[n] for n in order]
-
-
 # ------------------------------------------------------------------ plan
 
 
@@ -221,13 +77,7 @@ class _Cluster:
   after_node: int = -1  # whose output the fetch waits for (-1: none)
 
 
-def _group(path: str) -> str:
-  """The module path of a leaf: its path without the last key."""
-  cut = path.rfind("[")
-  return path[:cut] if cut > 0 else path
-
-
-def _scan_streamed_positions(node: _Node, program: _Program,
+def _scan_streamed_positions(node: Node, program: Program,
                              resident: dict) -> dict[int, Any]:
   """xs operands of a scan that are pool-resident: position -> key."""
   if node.eqn.primitive.name != "scan":
@@ -244,7 +94,7 @@ def _scan_streamed_positions(node: _Node, program: _Program,
 class _Planner:
   """Finds the clusters of uses and when each cluster's fetch is issued."""
 
-  def __init__(self, program: _Program, resident: dict[Any, Any],
+  def __init__(self, program: Program, resident: dict[Any, Any],
                paths: dict[Any, str], schedule: schedule_lib.FixedSchedule):
     self.program = program
     self.resident = resident
@@ -284,7 +134,7 @@ class _Planner:
     unit_first: list[int] = []
     unit_group: list[str] = []
     for c in clusters:
-      group = _group(paths[c.key])
+      group = group_of(paths[c.key])
       if (not unit_first or unit_group[-1] != group
           or c.first - unit_first[-1] > _CLUSTER_GAP):
         unit_first.append(c.first)
@@ -294,7 +144,7 @@ class _Planner:
     for c in clusters:
       unit_last[c.unit] = max(unit_last[c.unit], c.last)
     for c in clusters:
-      k = schedule.prefetch_for(_group(paths[c.key]))
+      k = schedule.prefetch_for(group_of(paths[c.key]))
       # Issued k units ahead, once the unit before those is done with its
       # buffers (its last use has produced its output): at most k + 1
       # units' buffers are then live, even where nothing else orders the
@@ -319,7 +169,7 @@ class _Planner:
 class _Interpreter:
   """Evaluates the flat program with streaming, under jit."""
 
-  def __init__(self, program: _Program, planner: _Planner,
+  def __init__(self, program: Program, planner: _Planner,
                values: dict[Any, Any], schedule: schedule_lib.FixedSchedule,
                stores: dict[Any, PoolArray], store_after: dict[Any, int]):
     self.program = program
@@ -361,16 +211,16 @@ class _Interpreter:
     return self.fetched[id(c)]
 
   def _read(self, atom: Any, i: int) -> Any:
-    if isinstance(atom, _Lit):
+    if isinstance(atom, Lit):
       return atom.value
     key = self.program.resolve(atom)
-    if isinstance(key, _Lit):
+    if isinstance(key, Lit):
       return key.value
     if key in self.planner.resident:
       return self._value_for(key, i)
     return self.env[key]
 
-  def _streamed_scan(self, node: _Node, streamed: dict[int, Any],
+  def _streamed_scan(self, node: Node, streamed: dict[int, Any],
                      i: int) -> list[Any]:
     params = node.eqn.params
     n_consts, n_carry = params["num_consts"], params["num_carry"]
@@ -381,7 +231,7 @@ class _Interpreter:
     xs_positions = range(n_consts + n_carry, len(ins))
     weights = {str(pos): self.env[key] for pos, key in streamed.items()}
     xs = {str(pos): ins[pos] for pos in xs_positions if pos not in streamed}
-    group = _group(next(iter(weights.values())).path)
+    group = group_of(next(iter(weights.values())).path)
 
     def scan_body(c, w, x):
       full = [w[str(p)] if p in streamed else x[str(p)]
@@ -409,7 +259,7 @@ class _Interpreter:
       store_done(self.stores_in_flight.popleft())
 
   def _read_output(self, key: Any) -> Any:
-    if isinstance(key, _Lit):
+    if isinstance(key, Lit):
       return key.value
     if key in self.planner.resident:  # an input returned elsewhere
       target = self.planner.resident[key]
@@ -519,7 +369,7 @@ class OffloadedStep:
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(
                  args, is_leaf=_is_pool_array)[0]]
-    program = _Program(closed, len(flat))
+    program = Program(closed, len(flat))
     resident, key_paths, values = {}, {}, {}
     for i, leaf in enumerate(flat):
       key = ("in", i)
@@ -528,7 +378,7 @@ class OffloadedStep:
         resident[key] = prep.pinned.get(i, leaf)
         key_paths[key] = getattr(leaf, "path", "") or paths[i]
     output_layers = [
-        _layer_of(key_paths[("in", prep.targets[j])])
+        layer_of(key_paths[("in", prep.targets[j])])
         if j in prep.targets and ("in", prep.targets[j]) in key_paths
         else None for j in range(len(program.outputs))]
     reorder_by_layer(program, output_layers, set(resident))
@@ -611,7 +461,7 @@ class OffloadedStep:
       target = resident[c.key]
       if not isinstance(target, PoolArray):
         continue
-      name = _group(paths[c.key])
+      name = group_of(paths[c.key])
       entry = layers.setdefault(name, {"keys": {}, "tiers": set()})
       entry["keys"][c.key] = target
       entry["tiers"].add(target.tier.value)

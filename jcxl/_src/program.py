@@ -1,0 +1,167 @@
+"""The flat program cxl_offload interprets: a traced step's jaxpr with its
+call-like equations inlined, and the reordering that lets each layer's
+optimizer update run as soon as its gradient exists."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+from jcxl._src import jax_compat
+
+# Call-like primitives whose bodies are inlined into the flat program (the
+# step is already differentiated, so custom rules are no longer needed).
+INLINE = frozenset({"jit", "pjit", "closed_call", "core_call",
+                    "custom_jvp_call", "custom_vjp_call",
+                    "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+
+
+def group_of(path: str) -> str:
+  """The module path of a leaf: its path without the last key."""
+  cut = path.rfind("[")
+  return path[:cut] if cut > 0 else path
+
+
+@dataclasses.dataclass
+class Node:
+  eqn: Any
+  ins: list[Any]   # keys or _Lit
+  outs: list[Any]  # keys
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
+class Lit:
+  value: Any
+
+
+class Program:
+  """A jaxpr with call-like equations inlined, variables keyed by scope."""
+
+  def __init__(self, closed_jaxpr: Any, num_inputs: int):
+    self.nodes: list[_Node] = []
+    self.alias: dict[Any, Any] = {}
+    self.consts: dict[Any, Any] = {}
+    self._scopes = itertools.count(1)
+    literal = jax_compat.literal_type()
+    self._literal = literal
+    inputs = [("in", i) for i in range(num_inputs)]
+    self._walk(closed_jaxpr.jaxpr, 0, inputs, list(closed_jaxpr.consts))
+    self.outputs = [self.resolve(self._atom(0, v))
+                    for v in closed_jaxpr.jaxpr.outvars]
+
+  def _atom(self, scope, v):
+    return Lit(v.val) if isinstance(v, self._literal) else (scope, v)
+
+  def _walk(self, jaxpr, scope, in_atoms, const_values):
+    for v, value in zip(jaxpr.constvars, const_values):
+      self.consts[(scope, v)] = value
+    for v, a in zip(jaxpr.invars, in_atoms):
+      self.alias[(scope, v)] = a
+    for eqn in jaxpr.eqns:
+      ins = [self._atom(scope, a) for a in eqn.invars]
+      sub = (jax_compat.sub_jaxpr(eqn)
+             if eqn.primitive.name in INLINE else None)
+      if sub is not None:
+        inner, inner_consts = sub
+        inner_scope = next(self._scopes)
+        self._walk(inner, inner_scope, ins, inner_consts)
+        for o, inner_o in zip(eqn.outvars, inner.outvars):
+          self.alias[(scope, o)] = self._atom(inner_scope, inner_o)
+      else:
+        self.nodes.append(Node(eqn, ins, [(scope, o) for o in eqn.outvars]))
+
+  def resolve(self, atom):
+    while not isinstance(atom, Lit) and atom in self.alias:
+      atom = self.alias[atom]
+    return atom
+
+
+def layer_of(path: str) -> str:
+  """The parameter layer a state leaf belongs to: optimizer-state prefixes
+  (``[0].mu``) dropped, then the module path."""
+  cut = path.find("['")
+  return group_of(path[cut:] if cut >= 0 else path)
+
+
+def reorder_by_layer(program: Program, output_layers: list[str | None],
+                     state_inputs: set[Any]) -> None:
+  """Reorders the program so each layer's update runs as soon as it can.
+
+  In a traced train step an optimizer's work comes in stages over all
+  leaves (every first moment, then every second moment, ...), so every
+  leaf's new state would be live at once. A depth-first emission from the
+  outputs, each layer's outputs taken in the order in which the work they
+  share with other layers (the forward and backward passes) completes,
+  finishes one layer's update before the next layer's starts.
+  """
+  producer = {}
+  for n, node in enumerate(program.nodes):
+    for key in node.outs:
+      producer[key] = n
+
+  def inputs_of(n):
+    out = []
+    for atom in program.nodes[n].ins:
+      key = program.resolve(atom)
+      if not isinstance(key, Lit) and key in producer:
+        out.append(producer[key])
+    return out
+
+  # Work on the batch (forward, backward, a global gradient norm) orders the
+  # layers; work on state alone (a step count, a schedule) can run anytime.
+  on_data = []
+  for n, node in enumerate(program.nodes):
+    keys = [program.resolve(a) for a in node.ins]
+    on_data.append(any(
+        not isinstance(k, Lit) and (
+            (k in producer and on_data[producer[k]]) or
+            (k not in producer and k not in state_inputs and k[0] == "in"))
+        for k in keys))
+
+  layers_using = collections.defaultdict(set)  # node -> layers it feeds
+  ancestors_of = {}
+  for j, key in enumerate(program.outputs):
+    if isinstance(key, Lit) or key not in producer:
+      continue
+    seen, stack = set(), [producer[key]]
+    while stack:
+      n = stack.pop()
+      if n in seen:
+        continue
+      seen.add(n)
+      stack.extend(inputs_of(n))
+    ancestors_of[j] = seen
+    for n in seen:
+      layers_using[n].add(output_layers[j])
+
+  # A layer's outputs go together, once all the work they share with other
+  # layers is done.
+  ready = collections.defaultdict(lambda: -1)
+  for j, ancestors in ancestors_of.items():
+    shared = [n for n in ancestors
+              if on_data[n] and layers_using[n] != {output_layers[j]}]
+    ready[output_layers[j]] = max(ready[output_layers[j]],
+                                  max(shared, default=-1))
+  rank = lambda j: (ready[output_layers[j]], j)
+
+  order, emitted = [], set()
+  for j in sorted(ancestors_of, key=rank):
+    stack = [(producer[program.outputs[j]], False)]
+    while stack:  # iterative post-order, inputs in program order
+      n, expanded = stack.pop()
+      if n in emitted:
+        continue
+      if expanded:
+        emitted.add(n)
+        order.append(n)
+        continue
+      stack.append((n, True))
+      for m in sorted(set(inputs_of(n)), reverse=True):
+        if m not in emitted:
+          stack.append((m, False))
+  order += [n for n in range(len(program.nodes)) if n not in emitted]
+  program.nodes = [program.nodes[n] for n in order]
+
+
