@@ -94,6 +94,7 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
   // Decided under the lock: once the chunks are queued a worker may fail and
   // finish the request, so its status is no longer ours to read.
   bool closed = false;
+  int request_chunks = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     record.id = next_id_++;
@@ -105,6 +106,7 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
       const uint64_t bytes = request->spec.bytes;
       const uint64_t chunks = bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
       request->chunks_left = static_cast<int>(chunks);
+      request_chunks = static_cast<int>(chunks);
       const uint64_t sequence = next_sequence_++;
       for (uint64_t i = 0; i < chunks; ++i) {
         const uint64_t offset = i * chunk;
@@ -116,7 +118,10 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
   if (closed) {
     Finish(request);
   } else {
-    cv_.notify_all();
+    // Wake one worker per chunk (not all of them for a one-chunk request).
+    for (int i = 0; i < std::min<int>(request_chunks, threads()); ++i) {
+      cv_.notify_one();
+    }
   }
   return request->ticket;
 }

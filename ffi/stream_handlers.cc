@@ -118,10 +118,10 @@ ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
   target.handle = handle.typed_data()[0];
   StatusOr<ObjectInfo> info = target.pool->Info(target.handle);
   if (!info.ok()) return Unexpected(handler, info.status().message());
-  const std::string name = "handle " + std::to_string(target.handle);
+  auto name = [&] { return "handle " + std::to_string(target.handle); };
   const char* dtype = DTypeName(buffer.element_type());
   if (info->dtype != dtype) {
-    return Unexpected(handler, name + " holds " + info->dtype +
+    return Unexpected(handler, name() + " holds " + info->dtype +
                              " but the step's buffer is " + dtype);
   }
   std::vector<int64_t> expected = info->shape;
@@ -129,7 +129,7 @@ ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
   if (stacked) {
     if (expected.empty() || i < 0 || i >= expected[0]) {
       return Unexpected(handler,
-                  name + " of shape " + DimsString(info->shape) +
+                  name() + " of shape " + DimsString(info->shape) +
                       " has no slice " + std::to_string(i));
     }
     expected.erase(expected.begin());
@@ -137,7 +137,7 @@ ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
   auto dims = buffer.dimensions();
   std::vector<int64_t> got(dims.begin(), dims.end());
   if (got != expected) {
-    return Unexpected(handler, name + " holds shape " + DimsString(info->shape) +
+    return Unexpected(handler, name() + " holds shape " + DimsString(info->shape) +
                              (stacked ? " (one slice of it)" : "") +
                              " but the step's buffer has shape " +
                              DimsString(got));
@@ -201,8 +201,8 @@ ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
   return ffi::Error::Success();
 }
 
-ffi::Error FetchDoneImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out,
-                         int64_t timeout_ms) {
+ffi::Error FetchDoneImpl(ffi::AnyBuffer in, ffi::AnyBuffer,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t timeout_ms) {
   ffi::Error waited = Wait("jcxl_fetch_done", in.untyped_data(), timeout_ms);
   if (waited.failure()) return waited;
   if (out->untyped_data() != in.untyped_data()) {  // not aliased after all
@@ -238,6 +238,17 @@ ffi::Error StoreDoneImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> token,
   return ffi::Error::Success();
 }
 
+// Returns `x` (in place) once `dep` exists; reads neither. It orders work
+// that no data orders: compute after a fetch is issued, a done after the
+// compute it should overlap.
+ffi::Error AfterImpl(ffi::AnyBuffer x, ffi::AnyBuffer,
+                     ffi::Result<ffi::AnyBuffer> out) {
+  if (out->untyped_data() != x.untyped_data()) {  // not aliased after all
+    std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 std::vector<StreamWait> DrainStreamWaits() {
@@ -261,8 +272,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchDone, FetchDoneImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // in
+                                  .Arg<ffi::AnyBuffer>()  // after
                                   .Ret<ffi::AnyBuffer>()  // out, aliased
                                   .Attr<int64_t>("timeout_ms"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAfter, AfterImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // dep
+                                  .Ret<ffi::AnyBuffer>());  // x, aliased
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreStart, StoreStartImpl,
                               ffi::Ffi::Bind()

@@ -114,11 +114,34 @@ def _start_call(handle, index, after, *, shape, dtype, pool_id, stacked,
           priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes))
 
 
-def _done_call(buffer, *, timeout_ms):
+def _done_call(buffer, after, *, timeout_ms):
   return jax.ffi.ffi_call(
       "jcxl_fetch_done", jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
       input_output_aliases={0: 0}, has_side_effect=True)(
-          buffer, timeout_ms=timeout_ms)
+          buffer, after, timeout_ms=timeout_ms)
+
+
+def _after_call(x, dep):
+  return jax.ffi.ffi_call(
+      "jcxl_after", jax.ShapeDtypeStruct(x.shape, x.dtype),
+      input_output_aliases={0: 0})(x, dep)
+
+
+def order_after(tree: Any, dep: Any) -> Any:
+  """`tree` unchanged, but not available before `dep` exists.
+
+  Orders work that no data orders (compute after a fetch is issued). On a
+  mesh it returns `tree` as is: the identity call would be replicated.
+  """
+  deps = [d.buffer if isinstance(d, Pending) else d
+          for d in jax.tree_util.tree_leaves(
+              dep, is_leaf=lambda d: isinstance(d, Pending))]
+  if not deps or any(isinstance(d, Pending) and d.mesh is not None
+                     for d in jax.tree_util.tree_leaves(
+                         dep, is_leaf=lambda d: isinstance(d, Pending))):
+    return tree
+  registry.register_ffi_targets()
+  return jax.tree_util.tree_map(lambda x: _after_call(x, deps[0]), tree)
 
 
 def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
@@ -151,16 +174,24 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
   return Pending(buffer, out_spec, mesh)
 
 
-def fetch_done(pending: Pending, *, timeout_s: float | None = None
-               ) -> jax.Array:
-  """Waits for a fetch started by ``fetch_start``; returns the array."""
+def fetch_done(pending: Pending, *, after: Any = None,
+               timeout_s: float | None = None) -> jax.Array:
+  """Waits for a fetch started by ``fetch_start``; returns the array.
+
+  Args:
+    pending: the fetch.
+    after: a value to wait for before waiting on the copy (the compute the
+      copy should overlap), so the scheduler cannot hoist the wait.
+    timeout_s: how long the copy may take.
+  """
   timeout_ms = np.int64(int((timeout_s or 60.0) * 1000))
   call = functools.partial(_done_call, timeout_ms=timeout_ms)
+  dep = _dependency(after, pending.mesh is not None)
   if pending.mesh is None:
-    return call(pending.buffer)
-  return jax.shard_map(call, mesh=pending.mesh, in_specs=(pending.spec,),
+    return call(pending.buffer, dep)
+  return jax.shard_map(call, mesh=pending.mesh, in_specs=(pending.spec, P()),
                        out_specs=pending.spec,
-                       check_vma=False)(pending.buffer)
+                       check_vma=False)(pending.buffer, dep)
 
 
 def _fetch(x, index, after, priority, chunk_bytes):
@@ -325,8 +356,8 @@ def _tree_fetch_start(weights, index, after, priority):
       weights, is_leaf=lambda w: isinstance(w, PoolArray))
 
 
-def _tree_fetch_done(pending):
-  return jax.tree_util.tree_map(fetch_done, pending,
+def _tree_fetch_done(pending, after=None):
+  return jax.tree_util.tree_map(lambda p: fetch_done(p, after=after), pending,
                                 is_leaf=lambda p: isinstance(p, Pending))
 
 
@@ -378,8 +409,10 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
     c, queue = state
     i, x = ix
     pending = _tree_fetch_start(weights, i + step * k, c, 0)
-    c, y = body(c, queue[0], x)
-    return (c, queue[1:] + (_tree_fetch_done(pending),)), y
+    # Issue the fetch, compute this layer, then wait: nothing in the data
+    # says so, and XLA would otherwise run the fetch after the compute.
+    c, y = body(order_after(c, pending), queue[0], x)
+    return (c, queue[1:] + (_tree_fetch_done(pending, after=c),)), y
 
   # Split the layers: those that prefetch a later layer, then the last k.
   head = slice(0, length - k) if not reverse else slice(k, length)
