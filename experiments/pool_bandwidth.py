@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from absl import app
 from absl import flags
-from absl import logging
 import numpy as np
 
 import jcxl
+from experiments import common
 from jcxl._src import bench
 from jcxl._src.pool import Tier
 from jcxl._src.pool import as_tier
@@ -313,23 +312,7 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  try:
-    config = config_from_flags()
-    config.validate()
-  except ValueError as e:
-    raise app.UsageError(str(e)) from e
-  logging.info("config: %s", config)
-  results = run(config)
-  if config.json_out:
-    parent = os.path.dirname(config.json_out)
-    if parent:
-      os.makedirs(parent, exist_ok=True)
-    with open(config.json_out, "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=2)
-    logging.info("wrote %s", config.json_out)
-
+  common.run_program(argv, config_from_flags, run)
 
 if __name__ == "__main__":
   app.run(main)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
 import sys
 import time
@@ -54,12 +53,12 @@ from typing import Any
 
 from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jcxl
+from experiments import common
 from jcxl._src import bench
 from jcxl._src.placement import place
 from jcxl._src.pool import TransferRecord
@@ -551,23 +550,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  try:
-    config = config_from_flags()
-    config.validate()
-  except ValueError as e:
-    raise app.UsageError(str(e)) from e
-  logging.info("config: %s", config)
-  results = run(config)
-  if config.json_out:
-    parent = os.path.dirname(config.json_out)
-    if parent:
-      os.makedirs(parent, exist_ok=True)
-    with open(config.json_out, "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=2)
-    logging.info("wrote %s", config.json_out)
-
+  common.run_program(argv, config_from_flags, run)
 
 if __name__ == "__main__":
   app.run(main, flags_parser=parse_flags)

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "check.h"
+#include "test_util.h"
 #include "fast_copy.h"
 #include "numa.h"
 
@@ -35,56 +36,6 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
   char* data;
 };
-
-// Bytes that differ for every seed (a cheap xorshift: sanitizer builds are
-// slow enough).
-std::vector<char> Pattern(uint64_t bytes, uint64_t seed) {
-  std::vector<char> out(bytes);
-  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (uint64_t i = 0; i < bytes; i += 8) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    std::memcpy(&out[i], &state, std::min<uint64_t>(8, bytes - i));
-  }
-  return out;
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
-
-// A fresh directory under `parent`, removed (with what is left in it) when the
-// test ends.
-class TempDir {
- public:
-  explicit TempDir(const std::string& parent) {
-    std::string templ = parent + "/jcxl_arena_test.XXXXXX";
-    std::vector<char> buffer(templ.begin(), templ.end());
-    buffer.push_back('\0');
-    if (mkdtemp(buffer.data()) != nullptr) path_ = buffer.data();
-  }
-  ~TempDir() {
-    if (path_.empty()) return;
-    std::string command = "rm -rf '" + path_ + "'";
-    if (std::system(command.c_str()) != 0) {
-      std::fprintf(stderr, "could not remove %s\n", path_.c_str());
-    }
-  }
-  bool ok() const { return !path_.empty(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-// The build tree (ctest runs each test in its build directory), a disk file
-// system where O_DIRECT works; JCXL_TEST_DIR overrides it.
-std::string BuildDir() {
-  const char* dir = std::getenv("JCXL_TEST_DIR");
-  return dir ? dir : ".";
-}
 
 // Where file arenas are tested: the build tree, /tmp (which may be tmpfs
 // elsewhere), and /dev/shm (tmpfs: the buffered fallback).

@@ -17,6 +17,7 @@
 
 #include "arena.h"
 #include "check.h"
+#include "test_util.h"
 #include "link_model.h"
 
 namespace jcxl {
@@ -94,18 +95,6 @@ class TestArena : public Arena {
   int entered_ = 0;
   std::atomic<uint64_t> fail_at_{UINT64_MAX};
 };
-
-std::vector<char> Pattern(uint64_t bytes, uint64_t seed) {
-  std::vector<char> out(bytes);
-  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (uint64_t i = 0; i < bytes; i += 8) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    std::memcpy(&out[i], &state, std::min<uint64_t>(8, bytes - i));
-  }
-  return out;
-}
 
 std::unique_ptr<MemoryArena> NewMemoryArena(uint64_t bytes) {
   StatusOr<std::unique_ptr<MemoryArena>> arena = MemoryArena::Create(bytes, {});

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "check.h"
+#include "test_util.h"
 
 namespace jcxl {
 namespace {
@@ -26,49 +27,6 @@ constexpr uint64_t kKiB = 1024;
 constexpr uint64_t kMiB = 1024 * kKiB;
 constexpr int64_t kMs = 1000000;
 constexpr int64_t kLongWaitNs = 30'000 * kMs;
-
-std::vector<char> Pattern(uint64_t bytes, uint64_t seed) {
-  std::vector<char> out(bytes);
-  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (uint64_t i = 0; i < bytes; i += 8) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    std::memcpy(&out[i], &state, std::min<uint64_t>(8, bytes - i));
-  }
-  return out;
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
-
-// A fresh directory for the nvme tier under the build tree (ctest's working
-// directory; JCXL_TEST_DIR overrides it); removed with its contents at the
-// end of the test if the pool left it.
-class TempDir {
- public:
-  TempDir() {
-    const char* parent = std::getenv("JCXL_TEST_DIR");
-    std::string templ =
-        std::string(parent ? parent : ".") + "/jcxl_pool_test.XXXXXX";
-    std::vector<char> buffer(templ.begin(), templ.end());
-    buffer.push_back('\0');
-    if (mkdtemp(buffer.data()) != nullptr) path_ = buffer.data();
-  }
-  ~TempDir() {
-    if (path_.empty() || !Exists(path_)) return;
-    std::string command = "rm -rf '" + path_ + "'";
-    if (std::system(command.c_str()) != 0) {
-      std::fprintf(stderr, "could not remove %s\n", path_.c_str());
-    }
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 PoolConfig ThreeTiers(const std::string& nvme_dir, uint64_t host = 8 * kMiB,
                       uint64_t cxl = 8 * kMiB, uint64_t nvme = 32 * kMiB) {

@@ -27,7 +27,7 @@ def group_of(path: str) -> str:
 @dataclasses.dataclass
 class Node:
   eqn: Any
-  ins: list[Any]   # keys or _Lit
+  ins: list[Any]   # keys or Lit
   outs: list[Any]  # keys
 
 
@@ -40,7 +40,7 @@ class Program:
   """A jaxpr with call-like equations inlined, variables keyed by scope."""
 
   def __init__(self, closed_jaxpr: Any, num_inputs: int):
-    self.nodes: list[_Node] = []
+    self.nodes: list[Node] = []
     self.alias: dict[Any, Any] = {}
     self.consts: dict[Any, Any] = {}
     self._scopes = itertools.count(1)

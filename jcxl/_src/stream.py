@@ -18,7 +18,6 @@ import numpy as np
 from jcxl._src import errors
 from jcxl._src import registry
 from jcxl._src.pool_array import PoolArray
-from jcxl._src.pool_array import device_grid
 
 P = jax.sharding.PartitionSpec
 
