@@ -69,6 +69,19 @@ def fsdp_sharding(mesh, leaf):
   return jax.sharding.NamedSharding(mesh, P())
 
 
+def resident_and_placed(params, opt_state, devices, pool):
+  """The state on the devices (FSDP over `devices`) and in the cxl tier."""
+  if devices == 1:
+    return params, opt_state, jcxl.place(params, "cxl", pool=pool), \
+        jcxl.place(opt_state, "cxl", pool=pool)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
+  shard = lambda tree: jax.tree.map(lambda l: fsdp_sharding(mesh, l), tree)
+  return (jax.tree.map(jax.device_put, params, shard(params)),
+          jax.tree.map(jax.device_put, opt_state, shard(opt_state)),
+          jcxl.place(params, "cxl", pool=pool, sharding=shard(params)),
+          jcxl.place(opt_state, "cxl", pool=pool, sharding=shard(opt_state)))
+
+
 @pytest.fixture
 def pool():
   with jcxl.Pool(host="64MiB", cxl="256MiB") as p:
@@ -95,20 +108,9 @@ class EqualityTest:
     tx = OPTIMIZERS[optimizer]()
     step = make_step(loss_fn, tx)
     x = np.random.default_rng(2).normal(size=(BATCH, DIM)).astype(np.float32)
-    opt_state = tx.init(params)
-    if devices == 1:
-      shard = lambda tree: None
-    else:
-      mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
-      shard = lambda tree: jax.tree.map(
-          lambda leaf: fsdp_sharding(mesh, leaf), tree)
-    ref_p = jax.tree.map(jax.device_put, params, shard(params)) \
-        if devices > 1 else params
-    ref_s = jax.tree.map(jax.device_put, opt_state, shard(opt_state)) \
-        if devices > 1 else opt_state
+    ref_p, ref_s, off_p, off_s = resident_and_placed(
+        params, tx.init(params), devices, pool)
     resident = jax.jit(step)
-    off_p = jcxl.place(params, "cxl", pool=pool, sharding=shard(params))
-    off_s = jcxl.place(opt_state, "cxl", pool=pool, sharding=shard(opt_state))
     offloaded = cxl_offload(step, schedule="fixed:1")
     for _ in range(5):
       ref_p, ref_s, ref_loss = resident(ref_p, ref_s, x)
@@ -308,18 +310,8 @@ class ModelZooEqualityTest:
     batch = module.example_batch(config, batch_size=8)
     tx = optax.adamw(1e-3)
     step = make_step(module.make_loss(config), tx)
-    opt_state = tx.init(params)
-    shard = lambda tree: None
-    if devices > 1:
-      mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
-      shard = lambda tree: jax.tree.map(
-          lambda leaf: fsdp_sharding(mesh, leaf), tree)
-    ref_p = jax.tree.map(jax.device_put, params, shard(params)) \
-        if devices > 1 else params
-    ref_s = jax.tree.map(jax.device_put, opt_state, shard(opt_state)) \
-        if devices > 1 else opt_state
-    off_p = jcxl.place(params, "cxl", pool=pool, sharding=shard(params))
-    off_s = jcxl.place(opt_state, "cxl", pool=pool, sharding=shard(opt_state))
+    ref_p, ref_s, off_p, off_s = resident_and_placed(
+        params, tx.init(params), devices, pool)
     resident, offloaded = jax.jit(step), cxl_offload(step)
     for _ in range(5):
       ref_p, ref_s, ref_loss = resident(ref_p, ref_s, batch)
