@@ -343,6 +343,8 @@ NB_MODULE(_jcxl, m) {
     nb::dict targets;
     targets["jcxl_fetch_start"] = nb::capsule(reinterpret_cast<void*>(kFetchStart));
     targets["jcxl_fetch_done"] = nb::capsule(reinterpret_cast<void*>(kFetchDone));
+    targets["jcxl_fetch_start_into"] =
+        nb::capsule(reinterpret_cast<void*>(kFetchStartInto));
     targets["jcxl_after"] = nb::capsule(reinterpret_cast<void*>(kAfter));
     targets["jcxl_store_start"] = nb::capsule(reinterpret_cast<void*>(kStoreStart));
     targets["jcxl_store_done"] = nb::capsule(reinterpret_cast<void*>(kStoreDone));

@@ -201,6 +201,17 @@ ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
   return ffi::Error::Success();
 }
 
+// As FetchStartImpl, into a buffer the step already holds (aliased to the
+// result): a loop can then keep its fetched layers in place in its carry.
+ffi::Error FetchStartIntoImpl(ffi::Buffer<ffi::S32> handle,
+                              ffi::Buffer<ffi::S32> index, ffi::AnyBuffer after,
+                              ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                              int32_t pool_id, bool stacked, int32_t priority,
+                              int64_t chunk_bytes) {
+  return FetchStartImpl(handle, index, after, out, pool_id, stacked, priority,
+                        chunk_bytes);
+}
+
 ffi::Error FetchDoneImpl(ffi::AnyBuffer in, ffi::AnyBuffer,
                          ffi::Result<ffi::AnyBuffer> out, int64_t timeout_ms) {
   ffi::Error waited = Wait("jcxl_fetch_done", in.untyped_data(), timeout_ms);
@@ -264,6 +275,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // index
                                   .Arg<ffi::AnyBuffer>()         // after
                                   .Ret<ffi::AnyBuffer>()         // out
+                                  .Attr<int32_t>("pool_id")
+                                  .Attr<bool>("stacked")
+                                  .Attr<int32_t>("priority")
+                                  .Attr<int64_t>("chunk_bytes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStartInto, FetchStartIntoImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // handle
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // index
+                                  .Arg<ffi::AnyBuffer>()         // after
+                                  .Arg<ffi::AnyBuffer>()         // into
+                                  .Ret<ffi::AnyBuffer>()         // into, aliased
                                   .Attr<int32_t>("pool_id")
                                   .Attr<bool>("stacked")
                                   .Attr<int32_t>("priority")

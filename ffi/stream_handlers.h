@@ -3,6 +3,7 @@
 // copy-start / copy-done follows; see DESIGN.md):
 //
 //   jcxl_fetch_start(handle, index, after) -> buffer   queue pool -> buffer
+//   jcxl_fetch_start_into(handle, index, after, buffer) -> buffer (aliased)
 //   jcxl_fetch_done(buffer, after) -> buffer (aliased) wait for that copy
 //   jcxl_after(x, dep) -> x (aliased)                  order, no data moved
 //   jcxl_store_start(handle, index, buffer, after) -> buffer (aliased)
@@ -35,6 +36,7 @@ struct StreamWait {
 std::vector<StreamWait> DrainStreamWaits();
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchStartInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchDone);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kAfter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kStoreStart);

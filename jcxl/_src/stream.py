@@ -104,13 +104,15 @@ def _timeout_ms(pool) -> np.int64:
   return np.int64(int(pool._timeout_s * 1000))
 
 
-def _start_call(handle, index, after, *, shape, dtype, pool_id, stacked,
+def _start_call(handle, index, after, *into, shape, dtype, pool_id, stacked,
                 priority, chunk_bytes):
+  name = "jcxl_fetch_start_into" if into else "jcxl_fetch_start"
   return jax.ffi.ffi_call(
-      "jcxl_fetch_start", jax.ShapeDtypeStruct(shape, dtype),
-      has_side_effect=True)(
-          handle, index, after, pool_id=np.int32(pool_id), stacked=stacked,
-          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes))
+      name, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
+      input_output_aliases={3: 0} if into else None)(
+          handle, index, after, *into, pool_id=np.int32(pool_id),
+          stacked=stacked, priority=np.int32(priority),
+          chunk_bytes=np.int64(chunk_bytes))
 
 
 def _done_call(buffer, after, *, timeout_ms):
@@ -144,7 +146,8 @@ def order_after(tree: Any, dep: Any) -> Any:
 
 
 def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
-                priority: int = 0, chunk_bytes: int = 0) -> Pending:
+                into: jax.Array | None = None, priority: int = 0,
+                chunk_bytes: int = 0) -> Pending:
   """Starts copying `x` (or its slice `index` along axis 0) into the step.
 
   Args:
@@ -153,6 +156,8 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
     after: a value (or pytree) that must exist before the copy is issued.
     priority: lower values are served first by the copy engine.
     chunk_bytes: size of the copy's pieces (0: the pool's default).
+    into: an array of the fetched shape whose buffer the copy reuses in
+      place (a loop's carry), instead of a new one.
   """
   registry.register_ffi_targets()
   x, pool = _checked(x, "fetch")
@@ -163,13 +168,15 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
       _start_call, shape=_local_shape(x, stacked), dtype=x.dtype,
       pool_id=x.pool_id, stacked=stacked, priority=priority,
       chunk_bytes=chunk_bytes)
+  into = () if into is None else (into,)
   if not sharded:
-    return Pending(call(x.handles, index, dep), None, None)
+    return Pending(call(x.handles, index, dep, *into), None, None)
   mesh = x.sharding.mesh
   out_spec = _spec(x, stacked)
   buffer = jax.shard_map(
-      call, mesh=mesh, in_specs=(P(*mesh.axis_names), P(), P()),
-      out_specs=out_spec, check_vma=False)(x.handles, index, dep)
+      call, mesh=mesh,
+      in_specs=(P(*mesh.axis_names), P(), P()) + (out_spec,) * len(into),
+      out_specs=out_spec, check_vma=False)(x.handles, index, dep, *into)
   return Pending(buffer, out_spec, mesh)
 
 
@@ -402,36 +409,80 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
       return body(c, fetch_layer(i, c), x)
     return jax.lax.scan(sync_body, carry, (layers, xs), reverse=reverse)
 
-  queue = tuple(fetch_layer(order[j], None, j) for j in range(k))
+  # Layers [0, n_ring) run in loop steps of k + 1 layers over a ring of
+  # k + 1 buffers per weight, kept in the carry and fetched into in place
+  # (no copy per layer): while layer t runs from slot t % (k+1), layer t+k
+  # is fetched into slot (t-1) % (k+1), whose layer has just run. The rest
+  # run unrolled.
+  ring_size = k + 1
+  super_steps = max(0, (length - 2 * k) // ring_size)
+  n_ring = super_steps * ring_size
 
-  def prefetch_body(state, ix):
-    c, queue = state
-    i, x = ix
-    pending = _tree_fetch_start(weights, i + step * k, c, 0)
-    # Issue the fetch, compute this layer, then wait: nothing in the data
-    # says so, and XLA would otherwise run the fetch after the compute.
-    c, y = body(order_after(c, pending), queue[0], x)
-    return (c, queue[1:] + (_tree_fetch_done(pending, after=c),)), y
+  def fetch_into(i, after, slot, priority=0):
+    return jax.tree_util.tree_map(
+        lambda w, buf: fetch_start(w, i, after=after, into=buf,
+                                   priority=priority),
+        weights, slot, is_leaf=lambda w: isinstance(w, PoolArray))
 
-  # Split the layers: those that prefetch a later layer, then the last k.
-  head = slice(0, length - k) if not reverse else slice(k, length)
-  take = lambda tree, sl: jax.tree_util.tree_map(lambda a: a[sl], tree)
-  (carry, queue), ys_head = jax.lax.scan(
-      prefetch_body, (carry, queue), (layers[head], take(xs, head)),
-      reverse=reverse)
-  # The last k layers run unrolled from the queue (stacking the queue into
-  # a scan would hold a second copy of it).
-  tail_ys = []
-  for j, w in enumerate(queue):
-    i = order[length - k + j]
-    x = jax.tree_util.tree_map(lambda a, i=i: a[i], xs)
-    carry, y = body(carry, w, x)
-    tail_ys.append(y)
-  ys_tail = jax.tree_util.tree_map(lambda *ys: jnp.stack(ys),
-                                   *tail_ys[::step])
-  first, second = (ys_head, ys_tail) if not reverse else (ys_tail, ys_head)
-  ys = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), first,
-                              second)
+  def empty_slot():
+    def one(w):
+      slot = jnp.zeros(w.shape[1:], w.dtype)
+      if isinstance(w.sharding, jax.sharding.NamedSharding):
+        slot = _with_spec(slot, w.sharding.mesh, _spec(w, True))
+      return slot
+    return jax.tree_util.tree_map(
+        one, weights, is_leaf=lambda w: isinstance(w, PoolArray))
+
+  ring = [fetch_layer(order[j], None, j) for j in range(k)] + [empty_slot()]
+  take_x = lambda i: jax.tree_util.tree_map(lambda a: a[i], xs)
+
+  def ring_body(state, base):
+    c, ring = state
+    ring = list(ring)
+    ys = []
+    for t in range(ring_size):
+      t_layer = base + t  # position in iteration order
+      i = jnp.where(reverse, length - 1 - t_layer, t_layer)
+      nxt = jnp.where(reverse, length - 1 - (t_layer + k), t_layer + k)
+      free = (t - 1) % ring_size
+      pending = fetch_into(nxt, c, ring[free])
+      c, y = body(order_after(c, pending), ring[t], take_x(i))
+      ring[free] = _tree_fetch_done(pending, after=c)
+      ys.append(y)
+    # k + 1 layers ran: one full turn, so slot 0 holds the next layer.
+    return (c, tuple(ring)), ys
+
+  ys_parts = []
+  if super_steps:
+    (carry, ring), ys_ring = jax.lax.scan(
+        ring_body, (carry, tuple(ring)),
+        jnp.arange(super_steps, dtype=jnp.int32) * ring_size)
+    # ys_ring: a list of ring_size stacks of [super_steps, ...] -> layer order
+    ys_parts.append(jax.tree_util.tree_map(
+        lambda *ys: jnp.stack(ys, axis=1).reshape((-1,) + ys[0].shape[1:]),
+        *ys_ring))
+  # The rest: layers n_ring .. length-1 in iteration order, k of them already
+  # in the ring's first k slots; the others fetched one layer ahead of use.
+  queue = list(ring[:k])
+  rest_ys = []
+  for t in range(n_ring, length):
+    ahead = t + k
+    pending = (_tree_fetch_start(weights, order[ahead], carry, 0)
+               if ahead < length else None)
+    w = queue.pop(0)
+    carry, y = body(carry if pending is None else order_after(carry, pending),
+                    w, take_x(order[t]))
+    rest_ys.append(y)
+    if pending is not None:
+      queue.append(_tree_fetch_done(pending, after=carry))
+  if rest_ys:
+    ys_parts.append(jax.tree_util.tree_map(lambda *ys: jnp.stack(ys),
+                                           *rest_ys))
+  # ys in iteration order; lax.scan returns them in layer order.
+  ys = jax.tree_util.tree_map(lambda *parts: jnp.concatenate(parts),
+                              *ys_parts)
+  if reverse:
+    ys = jax.tree_util.tree_map(lambda a: a[::-1], ys)
   return carry, ys
 
 
