@@ -224,10 +224,6 @@ class Transfer:
     return TransferRecord.from_tuple(self._ticket.record())
 
 
-def _dtype_name(dtype: np.dtype) -> str:
-  return dtype.name
-
-
 def _dtype_from_name(name: str) -> np.dtype:
   if hasattr(ml_dtypes, name):
     return np.dtype(getattr(ml_dtypes, name))
@@ -428,7 +424,7 @@ class Pool:
       raise ValueError(f"cannot store an empty object (shape {shape}, "
                        f"{dtype.name}): it has 0 bytes")
     return self._pool.allocate(tier.index, nbytes, list(shape),
-                               _dtype_name(dtype))
+                               dtype.name)
 
   def put(self, array: Any, tier: str | Tier = "cxl", *,
           priority: int = 0) -> int:
@@ -509,12 +505,11 @@ class Pool:
   def handles(self) -> list[int]:
     return list(self._pool.handles())
 
-  def page_nodes(self, handle: int, *, touch: bool = False) -> np.ndarray:
+  def page_nodes(self, handle: int) -> np.ndarray:
     """The NUMA node of each page of a memory-tier object (move_pages).
 
     Pages not yet backed by memory report a negative errno (-2, ENOENT).
     """
-    del touch
     return np.asarray(self._pool.page_nodes(handle), dtype=np.int32)
 
   def compact(self) -> None:

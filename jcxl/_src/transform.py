@@ -253,12 +253,13 @@ class _Interpreter:
 
   def _store(self, key: Any) -> None:
     self.stored.add(key)
-    value = self._read_output(key)
+    value = self.read_output(key)
     self.stores_in_flight.append(store_start(self.stores[key], value))
     while len(self.stores_in_flight) > _STORES_IN_FLIGHT:
       store_done(self.stores_in_flight.popleft())
 
-  def _read_output(self, key: Any) -> Any:
+  def read_output(self, key: Any) -> Any:
+    """The value of one of the program's outputs."""
     if isinstance(key, Lit):
       return key.value
     if key in self.planner.resident:  # an input returned elsewhere
@@ -403,7 +404,7 @@ class OffloadedStep:
     interpreter.run()
     out = []
     for key, target in returned:
-      value = interpreter._read_output(key)
+      value = interpreter.read_output(key)
       if isinstance(target, _Pinned):  # back to JAX's pinned host memory
         value = jax.device_put(value, target.sharding)
       out.append(value)
