@@ -41,9 +41,9 @@ def sub_jaxpr(eqn):
   return None
 
 
-def bind(eqn, values):
+def bind(eqn, values, **overrides):
   """Evaluates one equation on concrete (or traced) values."""
-  params = eqn.primitive.get_bind_params(eqn.params)
+  params = dict(eqn.primitive.get_bind_params(eqn.params), **overrides)
   out = eqn.primitive.bind(*values, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 

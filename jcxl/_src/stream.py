@@ -75,9 +75,9 @@ def _index(index: Any, x: PoolArray) -> tuple[jax.Array, bool]:
 
 def _dependency(after: Any, sharded: bool) -> jax.Array:
   """The "not before" operand: a value the transfer must wait for."""
-  if after is None:
-    return jnp.zeros((), jnp.int32)
   leaves = [jnp.asarray(a) for a in jax.tree_util.tree_leaves(after)]
+  if not leaves:
+    return jnp.zeros((), jnp.int32)
   if not sharded:
     return leaves[0] if len(leaves) == 1 else jnp.stack(
         [a.reshape(-1)[0].astype(jnp.float32) for a in leaves if a.size])

@@ -38,9 +38,13 @@ from jcxl._src import registry
 from jcxl._src import schedule as schedule_lib
 from jcxl._src.pool import TransferRecord
 from jcxl._src.pool_array import PoolArray
+from jcxl._src.sliced_update import SlicedNode
+from jcxl._src.sliced_update import evaluate_slice
+from jcxl._src.sliced_update import slice_stacked_updates
 from jcxl._src.stream import fetch_done
 from jcxl._src.stream import fetch_start
 from jcxl._src.stream import store_done
+from jcxl._src.stream import store
 from jcxl._src.stream import store_start
 from jcxl._src.stream import streamed_scan
 from jcxl._src.units import format_bytes
@@ -79,7 +83,11 @@ class _Cluster:
 
 def _scan_streamed_positions(node: Node, program: Program,
                              resident: dict) -> dict[int, Any]:
-  """xs operands of a scan that are pool-resident: position -> key."""
+  """xs operands of a scan (or pool operands of a sliced loop) that are
+  pool-resident: position -> key."""
+  if isinstance(node, SlicedNode):
+    return {pos: key for pos, key in enumerate(node.ins)
+            if key in node.pool_keys}
   if node.eqn.primitive.name != "scan":
     return {}
   first_xs = node.eqn.params["num_consts"] + node.eqn.params["num_carry"]
@@ -112,8 +120,9 @@ class _Planner:
         self.last_use[key] = i
         if pos in streamed:
           continue
-        if (isinstance(resident[key], PoolArray) and node.eqn.params.get(
-            "jaxpr") is not None and node.eqn.primitive.name not in _WHOLE):
+        if (isinstance(resident[key], PoolArray) and node.eqn is not None
+            and node.eqn.params.get("jaxpr") is not None
+            and node.eqn.primitive.name not in _WHOLE):
           raise NotImplementedError(
               f"cxl_offload cannot stream {resident[key]._what()} into a "
               f"'{node.eqn.primitive.name}' primitive; fetch it inside with "
@@ -246,6 +255,25 @@ class _Interpreter:
         prefetch=self.schedule.prefetch_for(group))
     return list(carry) + list(ys)
 
+  def _sliced_loop(self, loop: SlicedNode, i: int) -> list[Any]:
+    """Runs a sliced update: one layer of the stacked state at a time."""
+    weights = {str(j): self.env[k] for j, k in enumerate(loop.pool_keys)}
+    xs = {str(j): self.env[k] for j, k in enumerate(loop.stacked_keys)}
+    xs["layer"] = jax.numpy.arange(loop.length, dtype=jax.numpy.int32)
+    n_direct = len(loop.pool_keys) + len(loop.stacked_keys)
+    scalars = {k: self._read(k, i) for k in loop.ins[n_direct:]}
+    group = group_of(self.env[loop.pool_keys[0]].path)
+
+    def body(c, w, x):
+      values = evaluate_slice(loop, self.program, scalars, w, x)
+      for key, target in loop.stores.items():
+        store(target, values[key], x["layer"])
+      return c, None
+
+    streamed_scan(body, (), weights, xs, length=loop.length,
+                  prefetch=self.schedule.prefetch_for(group))
+    return []
+
   def _issue_stores(self, i: int) -> None:
     for key, at in self.store_after.items():
       if at == i and key not in self.stored:
@@ -277,7 +305,9 @@ class _Interpreter:
       for c in self.planner.starts_at.get(i, ()):
         self._start(c, last)
       streamed = self.planner.streamed.get(i)
-      if streamed:
+      if isinstance(node, SlicedNode):
+        outs = self._sliced_loop(node, i)
+      elif streamed:
         outs = self._streamed_scan(node, streamed, i)
       else:
         outs = jax_compat.bind(node.eqn, [self._read(a, i) for a in node.ins])
@@ -383,22 +413,25 @@ class OffloadedStep:
         if j in prep.targets and ("in", prep.targets[j]) in key_paths
         else None for j in range(len(program.outputs))]
     reorder_by_layer(program, output_layers, set(resident))
-    planner = _Planner(program, resident, key_paths, self._schedule)
-    stores, store_after, returned = {}, {}, []
-    producer = {key: n for n, node in enumerate(program.nodes)
-                for key in node.outs}
+    stores, returned = {}, []
     for j, key in enumerate(program.outputs):
       old = ("in", prep.targets[j]) if j in prep.targets else None
       target = resident.get(old)
       if isinstance(target, PoolArray):
-        if key == old:
-          continue  # unchanged state: nothing to write
-        stores[key] = target
-        # Written once produced and once the old value has no uses left.
-        store_after[key] = max(producer.get(key, -1),
-                               planner.last_use.get(old, -1))
+        if key != old:  # unchanged state: nothing to write
+          stores[key] = target
       else:
         returned.append((key, target))
+    for key in slice_stacked_updates(program, resident, stores):
+      del stores[key]  # the sliced loop stores these, layer by layer
+    planner = _Planner(program, resident, key_paths, self._schedule)
+    producer = {key: n for n, node in enumerate(program.nodes)
+                for key in node.outs}
+    old_key = {id(v): k for k, v in resident.items()}
+    # Written once produced and once the old value has no uses left.
+    store_after = {key: max(producer.get(key, -1),
+                            planner.last_use.get(old_key[id(t)], -1))
+                   for key, t in stores.items()}
     interpreter = _Interpreter(program, planner, values, self._schedule,
                                stores, store_after)
     interpreter.run()

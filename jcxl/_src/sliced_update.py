@@ -1,0 +1,199 @@
+"""Elementwise work on stacked state, run as a loop over layers.
+
+In a step over scanned (stacked) layers the optimizer update is elementwise
+on whole ``[L, ...]`` arrays: done as traced, it would bring every layer's
+parameters and optimizer state onto the device at once. This pass finds
+that work (elementwise equations reading stacked pool-resident state, whose
+results feed only each other or are stored back into the pool) and replaces
+it with one loop over the layers that fetches slice ``i`` of the state,
+computes slice ``i`` of every result and stores it back.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from jcxl._src import jax_compat
+from jcxl._src.pool_array import PoolArray
+from jcxl._src.program import Lit
+from jcxl._src.program import Node
+from jcxl._src.program import Program
+
+ELEMENTWISE = frozenset({
+    "abs", "add", "and", "clamp", "convert_element_type", "copy", "copy_p",
+    "div", "eq", "erf", "exp", "expm1", "ge", "gt", "integer_pow", "le",
+    "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
+    "not", "or", "pow", "rsqrt", "select_n", "sign", "sqrt", "square", "sub",
+    "tanh", "broadcast_in_dim"})
+
+
+@dataclasses.dataclass(eq=False)
+class SlicedNode(Node):
+  """The loop that replaces a region: reads `ins`, writes the pool."""
+  region: list[Node] = dataclasses.field(default_factory=list)
+  length: int = 0
+  pool_keys: list[Any] = dataclasses.field(default_factory=list)
+  stacked_keys: list[Any] = dataclasses.field(default_factory=list)
+  stores: dict[Any, PoolArray] = dataclasses.field(default_factory=dict)
+
+
+def _layer_axis_unsharded(x: PoolArray) -> bool:
+  spec = getattr(x.sharding, "spec", None)
+  return not spec or spec[0] is None
+
+
+def _full_shape(node: Node):
+  shapes = {tuple(v.aval.shape) for v in node.eqn.outvars}
+  return shapes.pop() if len(shapes) == 1 else None
+
+
+def slice_stacked_updates(program: Program, resident: dict[Any, Any],
+                          stores: dict[Any, PoolArray]) -> set[Any]:
+  """Replaces elementwise work on stacked pool state with sliced loops.
+
+  Returns:
+    The output keys the loops store (no longer stored by the caller).
+  """
+  # Stacked state: pool-resident arrays that a scan takes as its per-layer
+  # xs (the scanned layers' parameters and, by shape, their moments).
+  scanned_shapes = set()
+  for node in program.nodes:
+    if node.eqn is not None and node.eqn.primitive.name == "scan":
+      first_xs = node.eqn.params["num_consts"] + node.eqn.params["num_carry"]
+      for atom in node.ins[first_xs:]:
+        key = program.resolve(atom)
+        if isinstance(resident.get(key), PoolArray):
+          scanned_shapes.add(resident[key].shape)
+  stacked = {k: v for k, v in resident.items()
+             if isinstance(v, PoolArray) and v.shape in scanned_shapes and
+             _layer_axis_unsharded(v)}
+  if not stacked:
+    return set()
+  producer, consumers = {}, collections.defaultdict(set)
+  for n, node in enumerate(program.nodes):
+    for key in node.outs:
+      producer[key] = n
+    for atom in node.ins:
+      key = program.resolve(atom)
+      if not isinstance(key, Lit):
+        consumers[key].add(n)
+  outputs = set(k for k in program.outputs if not isinstance(k, Lit))
+  def elementwise(n):
+    """Whether node n is elementwise on one [L, ...] shape (and scalars)."""
+    node = program.nodes[n]
+    if node.eqn is None or node.eqn.primitive.name not in ELEMENTWISE:
+      return False
+    shape = _full_shape(node)
+    if not shape:
+      return False
+    if node.eqn.primitive.name == "broadcast_in_dim":
+      return tuple(node.eqn.invars[0].aval.shape) == ()
+    for atom, var in zip(node.ins, node.eqn.invars):
+      key = program.resolve(atom)
+      in_shape = tuple(var.aval.shape)
+      if in_shape and (in_shape != shape or isinstance(key, Lit) or (
+          key in resident and key not in stacked)):
+        return False
+    return True
+
+  region: set[int] = set()
+  for n, node in enumerate(program.nodes):
+    if elementwise(n) and any(
+        program.resolve(a) in stacked or
+        producer.get(program.resolve(a)) in region
+        for a in node.ins if not isinstance(program.resolve(a), Lit)):
+      region.add(n)
+  # Keep only work whose results stay inside the region or go to the pool.
+  changed = True
+  while changed:
+    changed = False
+    for n in sorted(region):
+      for key in program.nodes[n].outs:
+        escapes = any(c not in region for c in consumers.get(key, ()))
+        returned = key in outputs and not (
+            key in stores and stores[key].shape == _full_shape(
+                program.nodes[n]))
+        if escapes or returned:
+          region.discard(n)
+          changed = True
+          break
+  # Take in the elementwise work that only feeds the region (e.g. the
+  # squared gradients of a second moment): it is sliced too, instead of
+  # leaving whole [L, ...] temporaries on the device.
+  changed = True
+  while changed:
+    changed = False
+    for n in range(len(program.nodes) - 1, -1, -1):
+      outs = program.nodes[n].outs
+      if n in region or not elementwise(n) or any(k in outputs for k in outs):
+        continue
+      users = set().union(*(consumers.get(k, set()) for k in outs))
+      if users and users <= region:
+        region.add(n)
+        changed = True
+  if not region:
+    return set()
+  lengths = {_full_shape(program.nodes[n])[0] for n in region}
+  last = max(region)
+  used = {program.resolve(a) for n in region for a in program.nodes[n].ins}
+  pool_keys = sorted((k for k in used if k in stacked), key=str)
+  if len(lengths) != 1 or any(
+      stacked[k].shape[0] not in lengths for k in pool_keys):
+    return set()
+  # The old state must have no use left once the loop has stored the new.
+  stored = {k: stores[k] for n in region for k in program.nodes[n].outs
+            if k in stores}
+  for key, target in stored.items():
+    old = next(k for k, v in resident.items() if v is target)
+    if any(c > last and c not in region for c in consumers.get(old, ())):
+      return set()
+  region_outs = {k for n in region for k in program.nodes[n].outs}
+  stacked_keys = sorted(
+      (k for k in used if not isinstance(k, Lit) and k not in stacked and
+       k not in region_outs and any(
+           tuple(v.aval.shape) and tuple(v.aval.shape)[0] in lengths
+           for n in region for a, v in zip(program.nodes[n].ins,
+                                           program.nodes[n].eqn.invars)
+           if program.resolve(a) == k)), key=str)
+  scalars = [k for k in used if not isinstance(k, Lit) and
+             k not in stacked and k not in region_outs and
+             k not in stacked_keys]
+  loop = SlicedNode(eqn=None, ins=pool_keys + stacked_keys + scalars,
+                    outs=[], region=[program.nodes[n] for n in sorted(region)],
+                    length=lengths.pop(), pool_keys=pool_keys,
+                    stacked_keys=stacked_keys, stores=stored)
+  nodes = []
+  for n, node in enumerate(program.nodes):
+    if n == last:
+      nodes.append(loop)
+    elif n not in region:
+      nodes.append(node)
+  program.nodes = nodes
+  return set(stored)
+
+
+def evaluate_slice(loop: SlicedNode, program: Program, values: dict[Any, Any],
+                   layer_weights: dict[str, Any], layer_inputs: dict[str, Any]
+                   ) -> dict[Any, Any]:
+  """Runs the region on one layer; returns the values of the stored keys."""
+  env = dict(values)
+  for j, key in enumerate(loop.pool_keys):
+    env[key] = layer_weights[str(j)]
+  for j, key in enumerate(loop.stacked_keys):
+    env[key] = layer_inputs[str(j)]
+  for node in loop.region:
+    args = []
+    for atom in node.ins:
+      key = program.resolve(atom)
+      args.append(key.value if isinstance(key, Lit) else env[key])
+    params = {}
+    if node.eqn.primitive.name == "broadcast_in_dim":
+      params = {"shape": tuple(node.eqn.params["shape"][1:]),
+                "broadcast_dimensions": ()}
+    outs = jax_compat.bind(node.eqn, args, **params)
+    for key, value in zip(node.outs, outs):
+      env[key] = value
+  return {key: env[key] for key in loop.stores}
+
