@@ -23,10 +23,6 @@
 namespace jcxl {
 namespace {
 
-constexpr uint64_t kKiB = 1024;
-constexpr uint64_t kMiB = 1024 * kKiB;
-constexpr int64_t kMs = 1000000;
-constexpr int64_t kLongWaitNs = 30'000 * kMs;
 
 // Memory behind a vector, with a gate that holds every access until opened,
 // a count of accesses and an offset at which accesses fail.

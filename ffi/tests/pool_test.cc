@@ -23,10 +23,6 @@
 namespace jcxl {
 namespace {
 
-constexpr uint64_t kKiB = 1024;
-constexpr uint64_t kMiB = 1024 * kKiB;
-constexpr int64_t kMs = 1000000;
-constexpr int64_t kLongWaitNs = 30'000 * kMs;
 
 PoolConfig ThreeTiers(const std::string& nvme_dir, uint64_t host = 8 * kMiB,
                       uint64_t cxl = 8 * kMiB, uint64_t nvme = 32 * kMiB) {

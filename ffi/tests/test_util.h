@@ -14,6 +14,12 @@
 
 namespace jcxl {
 
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMiB = 1024 * kKiB;
+constexpr int64_t kMs = 1000000;
+// How long a test waits for what must happen (a hang shows as a failure).
+constexpr int64_t kLongWaitNs = 30'000 * kMs;
+
 // Bytes that differ for every seed (a cheap xorshift: sanitizer builds are
 // slow enough).
 inline std::vector<char> Pattern(uint64_t bytes, uint64_t seed) {
