@@ -264,6 +264,12 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
   return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def _check_writable(out: np.ndarray) -> None:
+  """The copy engine writes `out` in place, byte for byte."""
+  if not out.flags.c_contiguous or not out.flags.writeable:
+    raise ValueError("out must be a writeable C-contiguous array")
+
+
 def _private_dir(base: str | os.PathLike) -> str:
   """Validates the user's nvme directory and makes the pool's own in it."""
   base = os.fspath(base)
@@ -476,8 +482,7 @@ class Pool:
         raise ValueError(
             f"out has shape {out.shape} and dtype {out.dtype}, but handle "
             f"{handle} holds shape {info.shape} and dtype {info.dtype}")
-      if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out must be a writeable C-contiguous array")
+      _check_writable(out)
     ticket = self._pool.read(handle, out.ctypes.data, info.nbytes, 0,
                              priority, chunk_bytes)
     return Transfer(ticket, out, self._timeout_s)
@@ -485,8 +490,7 @@ class Pool:
   def read_bytes_async(self, handle: int, out: np.ndarray, *, offset: int = 0,
                        priority: int = 0, chunk_bytes: int = 0) -> Transfer:
     """Starts reading `out.nbytes` bytes of the object from byte `offset`."""
-    if not out.flags.c_contiguous or not out.flags.writeable:
-      raise ValueError("out must be a writeable C-contiguous array")
+    _check_writable(out)
     ticket = self._pool.read(handle, out.ctypes.data, out.nbytes, offset,
                              priority, chunk_bytes)
     return Transfer(ticket, out, self._timeout_s)

@@ -524,7 +524,9 @@ class OffloadedStep:
 
   def lower(self, *args):
     """Lowers the rewritten step for these arguments (see jax.jit)."""
-    prep = self._prepare(args)
+    return self._lower(args, self._prepare(args))
+
+  def _lower(self, args: tuple[Any, ...], prep: _Prepared) -> Any:
     return jax.jit(lambda *a: self._run(a, prep)).lower(*args)
 
   def __call__(self, *args):
@@ -535,15 +537,14 @@ class OffloadedStep:
     entry = self._compiled.get(key)
     if entry is None:
       prep = self._prepare(args)
-      compiled = jax.jit(lambda *a: self._run(a, prep)).lower(*args).compile()
+      compiled = self._lower(args, prep).compile()
       self._check_budget(compiled)
       flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
       # Where each output comes from: a pool-resident argument leaf (updated
       # in place) or the compiled step's results.
-      sources = [prep.targets[j] if isinstance(
-          flat_args[prep.targets.get(j, 0)], PoolArray) and
-                 j in prep.targets else None
-                 for j in range(prep.out_tree.num_leaves)]
+      sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
+      sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
+                 else None for i in sources]
       entry = self._compiled[key] = (compiled, prep.out_tree, sources)
     compiled, out_tree, sources = entry
     self._last_results = compiled(*args)
