@@ -18,6 +18,7 @@ from jcxl._src.pool import Tier as Tier
 from jcxl._src.pool_array import PoolArray as PoolArray
 from jcxl._src.stream import fetch as fetch
 from jcxl._src.stream import store as store
+from jcxl._src.transform import cxl_offload as cxl_offload
 from jcxl import topology as topology
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "TierIOError",
     "TransferTimeoutError",
     "UnknownHandleError",
+    "cxl_offload",
     "fetch",
     "gather",
     "place",

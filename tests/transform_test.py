@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import jcxl
-from jcxl._src.transform import cxl_offload
+from jcxl import cxl_offload
 import numpy as np
 import optax
 import pytest
