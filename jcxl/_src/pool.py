@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -289,6 +290,12 @@ def _private_dir(base: str | os.PathLike) -> str:
   return path
 
 
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
 class Pool:
   """A tiered memory pool outside the accelerator.
 
@@ -365,6 +372,7 @@ class Pool:
         self.topology.nearest_memory_node(node)).cpus or
                             self.topology.node(node).cpus)
     self._links: dict[Tier, LinkModel | None] = {}
+    self._measured_links: dict[Tier, LinkModel] = {}
     self._nvme_dir = None
     for tier, capacity in capacities.items():
       tier_config = _jcxl.TierConfig()
@@ -561,6 +569,26 @@ class Pool:
   def transfer_records(self) -> list[TransferRecord]:
     """Copy-engine records finished since the last call, oldest first."""
     return [TransferRecord.from_tuple(r) for r in self._pool.drain_records()]
+
+  def link_estimate(self, tier: str | Tier) -> LinkModel:
+    """How fast `tier` moves bytes into a step, for planning.
+
+    An emulated tier's link model as set now; for a real tier, the read
+    bandwidth of a 16 MiB object measured once (best of three) and kept.
+    """
+    tier = as_tier(tier)
+    link = self._links.get(tier)
+    if link is not None:
+      return link
+    if tier not in self._measured_links:
+      probe = np.ones(16 << 20, np.uint8)
+      handle = self.put(probe, tier)
+      try:
+        best = min(_timed(lambda: self.get(handle, probe)) for _ in range(3))
+      finally:
+        self.free(handle)
+      self._measured_links[tier] = LinkModel(probe.nbytes / best, 0.0)
+    return self._measured_links[tier]
 
   def set_link(self, tier: str | Tier, link: LinkModel) -> None:
     """Changes a tier's emulated link mid-run (e.g. a shared, slower link)."""

@@ -2,15 +2,102 @@
 
 A plan is chosen per "layer": the pool-resident leaves that a step uses
 together (leaves under the same module path), in the order the step first
-uses them.
+uses them. The schedules a step accepts:
+
+* ``'fixed:k'``: every layer fetched k layers ahead (``'sync'`` is k = 0);
+* ``'bucket'`` / ``'bucket:N'``: DeepSpeed ZeRO-3's rule, fetch ahead the
+  following layers that fit in N parameter elements (its default 5e7);
+* ``'plan:PATH'``: a plan saved by an earlier run (``Plan.save``);
+* ``'dap'`` / ``'dap:PATH'``: Dynamic Adaptive Pipelining (``tuner.py``),
+  optionally starting from a saved plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from jcxl._src import costmodel
 from jcxl._src.units import format_bytes
+
+# DeepSpeed ZeRO-3's stage3_prefetch_bucket_size default, in elements.
+DEEPSPEED_PREFETCH_BUCKET = 50_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+  """A resolved schedule: a prefetch distance and chunk size per layer."""
+  prefetch: tuple[tuple[str, int], ...] = ()
+  chunk_bytes: tuple[tuple[str, int], ...] = ()
+  default_prefetch: int = 0
+  default_chunk_bytes: int = 0  # 0: the pool's default
+  name: str = "per-layer"
+
+  @classmethod
+  def of(cls, prefetch: Mapping[str, int],
+         chunk_bytes: Mapping[str, int] | None = None,
+         name: str = "per-layer") -> LayerSchedule:
+    return cls(tuple(sorted(prefetch.items())),
+               tuple(sorted((chunk_bytes or {}).items())), name=name)
+
+  def prefetch_for(self, layer: str) -> int:
+    return dict(self.prefetch).get(layer, self.default_prefetch)
+
+  def chunk_for(self, layer: str) -> int:
+    return dict(self.chunk_bytes).get(layer, self.default_chunk_bytes)
+
+  def resolve(self, segments: Sequence[costmodel.Segment],
+              links: Mapping[str, costmodel.Link]) -> LayerSchedule:
+    del segments, links
+    return self
+
+  def __str__(self) -> str:
+    return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSchedule:
+  """The same prefetch distance (and chunk size) for every layer."""
+  prefetch: int
+  chunk_bytes: int = 0
+
+  def resolve(self, segments, links) -> LayerSchedule:
+    del segments, links
+    return LayerSchedule(default_prefetch=self.prefetch,
+                         default_chunk_bytes=self.chunk_bytes, name=str(self))
+
+  def __str__(self) -> str:
+    return f"fixed:{self.prefetch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSchedule:
+  """Prefetch the following layers that fit in a bucket of elements."""
+  elements: int = DEEPSPEED_PREFETCH_BUCKET
+
+  def resolve(self, segments, links) -> LayerSchedule:
+    del links
+    return LayerSchedule.of(costmodel.bucket_prefetch(segments, self.elements),
+                            name=str(self))
+
+  def __str__(self) -> str:
+    return f"bucket:{self.elements:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DapSchedule:
+  """Dynamic Adaptive Pipelining; `start` is a saved plan to begin from."""
+  start: LayerSchedule | None = None
+
+  def __str__(self) -> str:
+    return "dap"
+
+
+Schedule = FixedSchedule | BucketSchedule | LayerSchedule | DapSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,9 +112,18 @@ class LayerPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The plan a cxl_offload step was compiled with."""
+  """The plan a cxl_offload step was compiled with.
+
+  Attributes:
+    layers: per layer, in the order the step first uses them.
+    schedule: the schedule that chose it.
+    predicted_step_s: the cost model's step time for it (None if unknown).
+    reasons: why the planner chose it, one line per decision.
+  """
   layers: tuple[LayerPlan, ...]
   schedule: str
+  predicted_step_s: float | None = None
+  reasons: tuple[str, ...] = ()
 
   def layer(self, name: str) -> LayerPlan:
     for layer in self.layers:
@@ -40,39 +136,85 @@ class Plan:
     rows = [f"{'layer':40s} {'bytes':>12s} {'tier':8s} {'prefetch':>8s} "
             f"{'chunk':>10s}"]
     for l in self.layers:
+      chunk = format_bytes(l.chunk_bytes) if l.chunk_bytes else "pool"
       rows.append(f"{l.name[:40]:40s} {format_bytes(l.nbytes):>12s} "
-                  f"{','.join(l.tiers):8s} {l.prefetch:8d} "
-                  f"{format_bytes(l.chunk_bytes) if l.chunk_bytes else 'pool':>10s}")
+                  f"{','.join(l.tiers):8s} {l.prefetch:8d} {chunk:>10s}")
     return "\n".join(rows)
 
   def __str__(self) -> str:
-    return f"plan ({self.schedule}):\n{self.table()}"
+    head = f"plan ({self.schedule})"
+    if self.predicted_step_s is not None:
+      head += f", predicted step {self.predicted_step_s * 1e3:.2f} ms"
+    why = "".join(f"\n  {r}" for r in self.reasons)
+    return f"{head}:\n{self.table()}" + (f"\nwhy:{why}" if why else "")
+
+  def as_schedule(self) -> LayerSchedule:
+    """This plan's distances and chunks, to compile a step with."""
+    return LayerSchedule.of({l.name: l.prefetch for l in self.layers},
+                            {l.name: l.chunk_bytes for l in self.layers},
+                            name=f"plan({self.schedule})")
+
+  def to_json(self) -> dict[str, Any]:
+    return {"schedule": self.schedule,
+            "predicted_step_s": self.predicted_step_s,
+            "reasons": list(self.reasons),
+            "layers": [dataclasses.asdict(l) for l in self.layers]}
+
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any]) -> Plan:
+    try:
+      layers = tuple(LayerPlan(**{**l, "tiers": tuple(l["tiers"])})
+                     for l in data["layers"])
+      return cls(layers, str(data["schedule"]), data.get("predicted_step_s"),
+                 tuple(data.get("reasons", ())))
+    except (KeyError, TypeError) as e:
+      raise ValueError(f"not a jcxl plan: {e!r}") from None
+
+  def save(self, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(self.to_json(), f, indent=2)
+    os.replace(tmp, path)  # a reader never sees half a plan
+
+  @classmethod
+  def load(cls, path: str) -> Plan:
+    try:
+      with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    except OSError as e:
+      raise ValueError(f"cannot read plan {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+      raise ValueError(f"plan {path!r} is not JSON: {e}") from None
+    return cls.from_json(data)
 
 
-@dataclasses.dataclass(frozen=True)
-class FixedSchedule:
-  """The same prefetch distance (and chunk size) for every layer."""
-  prefetch: int
-  chunk_bytes: int = 0
-
-  def prefetch_for(self, layer: str) -> int:
-    del layer
-    return self.prefetch
-
-  def __str__(self) -> str:
-    return f"fixed:{self.prefetch}"
+_GRAMMAR = ("schedule must be 'fixed:k' (k >= 0: prefetch distance in "
+            "layers), 'sync', 'bucket' or 'bucket:N' (N parameter elements), "
+            "'plan:PATH', 'dap' or 'dap:PATH'")
 
 
-_FIXED = re.compile(r"^fixed:(\d+)$")
-
-
-def parse_schedule(schedule: str | FixedSchedule) -> FixedSchedule:
-  """Parses 'fixed:k' (prefetch distance k for every layer)."""
-  if isinstance(schedule, FixedSchedule):
+def parse_schedule(schedule: str | Schedule) -> Schedule:
+  """Parses a schedule string (see the module docstring)."""
+  if isinstance(schedule, (FixedSchedule, BucketSchedule, LayerSchedule,
+                           DapSchedule)):
     return schedule
-  match = _FIXED.match(schedule) if isinstance(schedule, str) else None
-  if not match:
-    raise ValueError(
-        "schedule must be 'fixed:k' with k >= 0 (the prefetch distance in "
-        f"layers), but got {schedule!r}")
-  return FixedSchedule(prefetch=int(match.group(1)))
+  if not isinstance(schedule, str):
+    raise ValueError(f"{_GRAMMAR}, but got {schedule!r}")
+  if schedule in ("sync", "bucket", "dap"):
+    return {"sync": FixedSchedule(0), "bucket": BucketSchedule(),
+            "dap": DapSchedule()}[schedule]
+  kind, _, arg = schedule.partition(":")
+  if kind == "fixed" and re.fullmatch(r"\d+", arg):
+    return FixedSchedule(int(arg))
+  if kind == "bucket":
+    try:
+      elements = float(arg)
+    except ValueError:
+      elements = -1
+    if elements >= 1 and elements == int(elements):
+      return BucketSchedule(int(elements))
+  if kind == "plan" and arg:
+    return Plan.load(arg).as_schedule()
+  if kind == "dap" and arg:
+    return DapSchedule(Plan.load(arg).as_schedule())
+  raise ValueError(f"{_GRAMMAR}, but got {schedule!r}")

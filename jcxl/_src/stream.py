@@ -356,9 +356,10 @@ def store(x: PoolArray, value: jax.Array, index: Any = None, *,
                                 priority=priority, chunk_bytes=chunk_bytes))
 
 
-def _tree_fetch_start(weights, index, after, priority):
+def _tree_fetch_start(weights, index, after, priority, chunk_bytes=0):
   return jax.tree_util.tree_map(
-      lambda w: fetch_start(w, index, after=after, priority=priority),
+      lambda w: fetch_start(w, index, after=after, priority=priority,
+                            chunk_bytes=chunk_bytes),
       weights, is_leaf=lambda w: isinstance(w, PoolArray))
 
 
@@ -368,8 +369,8 @@ def _tree_fetch_done(pending, after=None):
 
 
 def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
-                  length: int, reverse: bool = False, prefetch: int = 1
-                  ) -> tuple[Any, Any]:
+                  length: int, reverse: bool = False, prefetch: int = 1,
+                  chunk_bytes: int = 0) -> tuple[Any, Any]:
   """``lax.scan`` whose per-layer weights stream from the pool.
 
   Like ``lax.scan(lambda c, x: body(c, w[i], x), carry, xs)`` where ``w[i]``
@@ -389,6 +390,7 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
     reverse: run the layers from last to first (as a backward pass does).
     prefetch: how many layers ahead to fetch; 0: fetch each layer right
       before it runs.
+    chunk_bytes: size of the copies' pieces (0: the pool's default).
 
   Returns:
     ``(carry, ys)`` as ``lax.scan`` returns them.
@@ -401,7 +403,8 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
   layers = jnp.arange(length, dtype=jnp.int32)
 
   def fetch_layer(i, after, priority=0):
-    return _tree_fetch_done(_tree_fetch_start(weights, i, after, priority))
+    return _tree_fetch_done(
+        _tree_fetch_start(weights, i, after, priority, chunk_bytes))
 
   if k == 0:
     def sync_body(c, ix):
@@ -421,6 +424,7 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
   def fetch_into(i, after, slot, priority=0):
     return jax.tree_util.tree_map(
         lambda w, buf: fetch_start(w, i, after=after, into=buf,
+                                   chunk_bytes=chunk_bytes,
                                    priority=priority),
         weights, slot, is_leaf=lambda w: isinstance(w, PoolArray))
 
@@ -467,7 +471,7 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
   rest_ys = []
   for t in range(n_ring, length):
     ahead = t + k
-    pending = (_tree_fetch_start(weights, order[ahead], carry, 0)
+    pending = (_tree_fetch_start(weights, order[ahead], carry, 0, chunk_bytes)
                if ahead < length else None)
     w = queue.pop(0)
     carry, y = body(carry if pending is None else order_after(carry, pending),

@@ -27,16 +27,18 @@ import jax
 import numpy as np
 
 from jcxl import _jcxl
+from jcxl._src import compute_estimate
+from jcxl._src import costmodel
 from jcxl._src import jax_compat
 from jcxl._src.program import Lit
 from jcxl._src.program import Node
 from jcxl._src.program import Program
-from jcxl._src.program import group_of
 from jcxl._src.program import layer_of
 from jcxl._src.program import reorder_by_layer
+from jcxl._src import profile as profile_lib
 from jcxl._src import registry
 from jcxl._src import schedule as schedule_lib
-from jcxl._src.pool import TransferRecord
+from jcxl._src import tuner as tuner_lib
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.sliced_update import SlicedNode
 from jcxl._src.sliced_update import evaluate_slice
@@ -57,8 +59,6 @@ _WHOLE = frozenset({"cond", "while", "scan"})
 # Uses of a leaf further apart than this many equations are separate
 # clusters (each gets its own fetch).
 _CLUSTER_GAP = 16
-# Stores kept in flight before the oldest is waited for.
-_STORES_IN_FLIGHT = 2
 
 _is_pool_array = lambda x: isinstance(x, PoolArray)
 
@@ -100,12 +100,14 @@ def _scan_streamed_positions(node: Node, program: Program,
 
 
 class _Planner:
-  """Finds the clusters of uses and when each cluster's fetch is issued."""
+  """Finds the clusters of uses, the step's layer timeline, and (given a
+  schedule) when each cluster's fetch is issued."""
 
   def __init__(self, program: Program, resident: dict[Any, Any],
-               paths: dict[Any, str], schedule: schedule_lib.FixedSchedule):
+               paths: dict[Any, str]):
     self.program = program
     self.resident = resident
+    self.paths = paths
     uses = collections.defaultdict(list)
     self.streamed: dict[int, dict[int, Any]] = {}
     self.last_use: dict[Any, int] = {}
@@ -129,6 +131,7 @@ class _Planner:
               "jcxl.fetch, or place that leaf on 'device'")
         if not uses[key] or uses[key][-1] != i:
           uses[key].append(i)
+    self.uses = uses
     clusters = []
     for key, idx in uses.items():
       start = prev = idx[0]
@@ -140,36 +143,125 @@ class _Planner:
       clusters.append(_Cluster(key, start, prev))
     clusters.sort(key=lambda c: (c.first, str(paths[c.key])))
     # Units ("layers" in time): consecutive clusters of one module path.
-    unit_first: list[int] = []
-    unit_group: list[str] = []
+    self.unit_first: list[int] = []
+    self.unit_group: list[str] = []
     for c in clusters:
-      group = group_of(paths[c.key])
-      if (not unit_first or unit_group[-1] != group
-          or c.first - unit_first[-1] > _CLUSTER_GAP):
-        unit_first.append(c.first)
-        unit_group.append(group)
-      c.unit = len(unit_first) - 1
-    unit_last = [0] * len(unit_first)
+      group = layer_of(paths[c.key])
+      if (not self.unit_first or self.unit_group[-1] != group
+          or c.first - self.unit_first[-1] > _CLUSTER_GAP):
+        self.unit_first.append(c.first)
+        self.unit_group.append(group)
+      c.unit = len(self.unit_first) - 1
+    self.unit_last = [0] * len(self.unit_first)
     for c in clusters:
-      unit_last[c.unit] = max(unit_last[c.unit], c.last)
+      self.unit_last[c.unit] = max(self.unit_last[c.unit], c.last)
+    self.clusters = clusters
+    self.cluster_at: dict[tuple[Any, int], _Cluster] = {}
     for c in clusters:
-      k = schedule.prefetch_for(group_of(paths[c.key]))
+      for i in uses[c.key]:
+        if c.first <= i <= c.last:
+          self.cluster_at[(c.key, i)] = c
+    self.starts_at: dict[int, list[_Cluster]] = collections.defaultdict(list)
+
+  def schedule_fetches(self, schedule: schedule_lib.LayerSchedule) -> None:
+    """Sets when each cluster's fetch is issued under `schedule`."""
+    self.starts_at.clear()
+    for c in self.clusters:
+      k = schedule.prefetch_for(layer_of(self.paths[c.key]))
       # Issued k units ahead, once the unit before those is done with its
       # buffers (its last use has produced its output): at most k + 1
       # units' buffers are then live, even where nothing else orders the
       # step's work (an optimizer update over independent leaves).
-      c.start_at = c.first if k == 0 else unit_first[max(0, c.unit - k)]
+      c.start_at = c.first if k == 0 else self.unit_first[max(0, c.unit - k)]
+      c.after_node = -1
       if c.unit - k - 1 >= 0:
-        c.after_node = unit_last[c.unit - k - 1]
+        c.after_node = self.unit_last[c.unit - k - 1]
         c.start_at = min(c.first, max(c.start_at, c.after_node + 1))
-    self.clusters = clusters
-    self.starts_at = collections.defaultdict(list)
-    self.cluster_at: dict[tuple[Any, int], _Cluster] = {}
-    for c in clusters:
       self.starts_at[c.start_at].append(c)
-      for i in uses[c.key]:
-        if c.first <= i <= c.last:
-          self.cluster_at[(c.key, i)] = c
+
+  def timeline(self, stores: dict[Any, PoolArray],
+               store_after: dict[Any, int]) -> list[costmodel.Segment]:
+    """The step cut at its layer boundaries, compute estimated."""
+    pooled = lambda key: isinstance(self.resident.get(key), PoolArray)
+    # Boundaries: (node, order, segments that start there).
+    starts: list[tuple[int, int, list[costmodel.Segment]]] = []
+    unit_bytes = collections.defaultdict(int)
+    unit_elems = collections.defaultdict(int)
+    unit_tier = {}
+    for c in self.clusters:
+      if pooled(c.key):
+        x = self.resident[c.key]
+        unit_bytes[c.unit] += _shard_bytes(x)
+        unit_elems[c.unit] += int(np.prod(x.shard_shape))
+        unit_tier.setdefault(c.unit, x.tier.value)
+    for u, first in enumerate(self.unit_first):
+      if u in unit_bytes:
+        starts.append((first, 0, [costmodel.Segment(
+            self.unit_group[u], unit_bytes[u], unit_tier[u], 0.0,
+            sequence=0, priority=u, elements=unit_elems[u])]))
+    for i, node in enumerate(self.program.nodes):
+      loop = self._loop_weights(i, node)
+      if loop is None:
+        continue
+      keys, length, stored = loop
+      weights = [self.resident[k] for k in keys]
+      per_layer = sum(_shard_bytes(w) for w in weights) // length
+      elems = sum(int(np.prod(w.shard_shape)) for w in weights) // length
+      starts.append((i, 1, [costmodel.Segment(
+          layer_of(self.paths[keys[0]]), per_layer, weights[0].tier.value,
+          0.0, sequence=1 + i, priority=0,
+          stores=tuple(_shard_bytes(t) // length for t in stored),
+          stores_wait=True, elements=elems) for _ in range(length)]))
+    starts.sort(key=lambda s: (s[0], s[1]))
+    segments = [costmodel.Segment("(step start)", 0, "", 0.0)]
+    owner = []  # per node: index of the segment it computes in
+    cursor = 0
+    for i, node in enumerate(self.program.nodes):
+      while cursor < len(starts) and starts[cursor][0] <= i:
+        segments.extend(starts[cursor][2])
+        cursor += 1
+      owner.append(len(segments) - 1)
+    compute = [0.0] * len(segments)
+    for i, node in enumerate(self.program.nodes):
+      seconds = compute_estimate.seconds(*_node_costs(node))
+      loop = self._loop_weights(i, node)
+      if loop is None:
+        compute[owner[i]] += seconds
+      else:  # spread over the loop's own segments
+        length = loop[1]
+        for g in range(owner[i] - length + 1, owner[i] + 1):
+          compute[g] += seconds / length
+    written = collections.defaultdict(list)
+    for key, target in stores.items():
+      at = store_after.get(key, -1)
+      written[owner[at] if at >= 0 else 0].append(_shard_bytes(target))
+    return [dataclasses.replace(
+        s, compute_s=c, stores=s.stores + tuple(written.get(g, ())),
+        tier=s.tier or next((t.tier for t in segments if t.tier), ""))
+            for g, (s, c) in enumerate(zip(segments, compute))]
+
+  def _loop_weights(self, i: int, node: Node
+                    ) -> tuple[list[Any], int, list[PoolArray]] | None:
+    """A streamed loop's stacked pool keys, length and what it stores."""
+    if isinstance(node, SlicedNode):
+      return node.pool_keys, node.length, list(node.stores.values())
+    if i in self.streamed:
+      return list(self.streamed[i].values()), node.eqn.params["length"], []
+    return None
+
+
+def _shard_bytes(x: PoolArray) -> int:
+  return int(np.prod(x.shard_shape)) * x.dtype.itemsize
+
+
+def _node_costs(node: Node) -> tuple[float, float]:
+  if isinstance(node, SlicedNode):
+    flops = elems = 0.0
+    for inner in node.region:
+      f, e = compute_estimate.costs(inner.eqn)
+      flops, elems = flops + f, elems + e
+    return flops, elems
+  return compute_estimate.costs(node.eqn)
 
 
 # ------------------------------------------------------------ interpreter
@@ -179,7 +271,7 @@ class _Interpreter:
   """Evaluates the flat program with streaming, under jit."""
 
   def __init__(self, program: Program, planner: _Planner,
-               values: dict[Any, Any], schedule: schedule_lib.FixedSchedule,
+               values: dict[Any, Any], schedule: schedule_lib.LayerSchedule,
                stores: dict[Any, PoolArray], store_after: dict[Any, int]):
     self.program = program
     self.planner = planner
@@ -202,7 +294,8 @@ class _Interpreter:
     if isinstance(target, PoolArray):
       self.pending[id(c)] = fetch_start(
           self.env[c.key], after=after, priority=c.unit,
-          chunk_bytes=self.schedule.chunk_bytes)
+          chunk_bytes=self.schedule.chunk_for(
+              layer_of(self.planner.paths[c.key])))
     # pinned_host leaves move with JAX's own transfer, when used.
 
   def _value_for(self, key: Any, i: int) -> Any:
@@ -240,7 +333,7 @@ class _Interpreter:
     xs_positions = range(n_consts + n_carry, len(ins))
     weights = {str(pos): self.env[key] for pos, key in streamed.items()}
     xs = {str(pos): ins[pos] for pos in xs_positions if pos not in streamed}
-    group = group_of(next(iter(weights.values())).path)
+    group = layer_of(self.planner.paths[next(iter(streamed.values()))])
 
     def scan_body(c, w, x):
       full = [w[str(p)] if p in streamed else x[str(p)]
@@ -252,7 +345,8 @@ class _Interpreter:
     carry, ys = streamed_scan(
         scan_body, carry, weights, xs, length=params["length"],
         reverse=params["reverse"],
-        prefetch=self.schedule.prefetch_for(group))
+        prefetch=self.schedule.prefetch_for(group),
+        chunk_bytes=self.schedule.chunk_for(group))
     return list(carry) + list(ys)
 
   def _sliced_loop(self, loop: SlicedNode, i: int) -> list[Any]:
@@ -262,7 +356,7 @@ class _Interpreter:
     xs["layer"] = jax.numpy.arange(loop.length, dtype=jax.numpy.int32)
     n_direct = len(loop.pool_keys) + len(loop.stacked_keys)
     scalars = {k: self._read(k, i) for k in loop.ins[n_direct:]}
-    group = group_of(self.env[loop.pool_keys[0]].path)
+    group = layer_of(self.planner.paths[loop.pool_keys[0]])
 
     def body(c, w, x):
       values = evaluate_slice(loop, self.program, scalars, w, x)
@@ -271,7 +365,8 @@ class _Interpreter:
       return c, None
 
     streamed_scan(body, (), weights, xs, length=loop.length,
-                  prefetch=self.schedule.prefetch_for(group))
+                  prefetch=self.schedule.prefetch_for(group),
+        chunk_bytes=self.schedule.chunk_for(group))
     return []
 
   def _issue_stores(self, i: int) -> None:
@@ -283,7 +378,7 @@ class _Interpreter:
     self.stored.add(key)
     value = self.read_output(key)
     self.stores_in_flight.append(store_start(self.stores[key], value))
-    while len(self.stores_in_flight) > _STORES_IN_FLIGHT:
+    while len(self.stores_in_flight) > costmodel.STORES_IN_FLIGHT:
       store_done(self.stores_in_flight.popleft())
 
   def read_output(self, key: Any) -> Any:
@@ -368,14 +463,20 @@ class OffloadedStep:
   """A step rewritten by ``cxl_offload`` (see there)."""
 
   def __init__(self, fn: Callable, device_budget: int | None,
-               schedule: schedule_lib.FixedSchedule):
+               schedule: schedule_lib.Schedule):
     self._fn = fn
     self._budget = device_budget
     self._schedule = schedule
+    self.tuner = (tuner_lib.Tuner(schedule.start, device_budget)
+                  if isinstance(schedule, schedule_lib.DapSchedule) else None)
     self._compiled: dict[Any, Any] = {}
-    self._plans: dict[Any, schedule_lib.Plan] = {}
     self._groups: dict[int, str] = {}   # handle -> layer name
+    self._first_device: dict[int, str] = {}  # the same, one device's
+    self._segments: list[costmodel.Segment] = []
+    self._moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
     self.plan: schedule_lib.Plan | None = None
+    self.last_profile: profile_lib.StepProfile | None = None
+    self.compiles = 0
     self._last_results: Any = None
     functools.update_wrapper(self, fn)
 
@@ -424,7 +525,7 @@ class OffloadedStep:
         returned.append((key, target))
     for key in slice_stacked_updates(program, resident, stores):
       del stores[key]  # the sliced loop stores these, layer by layer
-    planner = _Planner(program, resident, key_paths, self._schedule)
+    planner = _Planner(program, resident, key_paths)
     producer = {key: n for n, node in enumerate(program.nodes)
                 for key in node.outs}
     old_key = {id(v): k for k, v in resident.items()}
@@ -432,7 +533,12 @@ class OffloadedStep:
     store_after = {key: max(producer.get(key, -1),
                             planner.last_use.get(old_key[id(t)], -1))
                    for key, t in stores.items()}
-    interpreter = _Interpreter(program, planner, values, self._schedule,
+    segments = planner.timeline(stores, store_after)
+    links = _tier_links(resident.values())
+    schedule = (self.tuner.resolve(segments, links) if self.tuner else
+                self._schedule.resolve(segments, links))
+    planner.schedule_fetches(schedule)
+    interpreter = _Interpreter(program, planner, values, schedule,
                                stores, store_after)
     interpreter.run()
     out = []
@@ -441,7 +547,8 @@ class OffloadedStep:
       if isinstance(target, _Pinned):  # back to JAX's pinned host memory
         value = jax.device_put(value, target.sharding)
       out.append(value)
-    self._record_plan(planner, key_paths, resident)
+    self._segments = segments
+    self._record_plan(planner, key_paths, resident, schedule, segments, links)
     return out
 
   def _state_targets(self, args: tuple[Any, ...], out_shape: Any
@@ -487,7 +594,10 @@ class OffloadedStep:
       offset += len(out_leaves)
     return targets
 
-  def _record_plan(self, planner: _Planner, paths: dict, resident: dict):
+  def _record_plan(self, planner: _Planner, paths: dict, resident: dict,
+                   schedule: schedule_lib.LayerSchedule,
+                   segments: list[costmodel.Segment],
+                   links: dict[str, costmodel.Link]) -> None:
     layers = collections.OrderedDict()
     for c in planner.clusters + [
         _Cluster(k, i, i) for i, s in planner.streamed.items()
@@ -495,21 +605,30 @@ class OffloadedStep:
       target = resident[c.key]
       if not isinstance(target, PoolArray):
         continue
-      name = group_of(paths[c.key])
+      name = layer_of(paths[c.key])
       entry = layers.setdefault(name, {"keys": {}, "tiers": set()})
       entry["keys"][c.key] = target
       entry["tiers"].add(target.tier.value)
-      for _, handle in target.local_handles:
+      for j, (_, handle) in enumerate(target.local_handles):
         self._groups[handle] = name
+        if j == 0:
+          self._first_device[handle] = name
     rows = []
     for name, entry in layers.items():
-      nbytes = sum(int(np.prod(t.shard_shape)) * t.dtype.itemsize
-                   for t in entry["keys"].values())
       rows.append(schedule_lib.LayerPlan(
-          name=name, nbytes=nbytes, tiers=tuple(sorted(entry["tiers"])),
-          prefetch=self._schedule.prefetch_for(name),
-          chunk_bytes=self._schedule.chunk_bytes))
-    self.plan = schedule_lib.Plan(tuple(rows), str(self._schedule))
+          name=name, nbytes=sum(map(_shard_bytes, entry["keys"].values())),
+          tiers=tuple(sorted(entry["tiers"])),
+          prefetch=schedule.prefetch_for(name),
+          chunk_bytes=schedule.chunk_for(name)))
+    if self.tuner:
+      prediction, reasons = self.tuner.prediction, self.tuner.reasons
+    else:
+      prediction = costmodel.simulate(
+          segments, {l.name: l.prefetch for l in rows}, links,
+          {l.name: l.chunk_bytes for l in rows})
+      reasons = ()
+    self.plan = schedule_lib.Plan(tuple(rows), str(self._schedule),
+                                  prediction.step_s, reasons)
 
   def _signature(self, args: tuple[Any, ...]) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
@@ -529,25 +648,49 @@ class OffloadedStep:
   def _lower(self, args: tuple[Any, ...], prep: _Prepared) -> Any:
     return jax.jit(lambda *a: self._run(a, prep)).lower(*args)
 
+  def _compile(self, args: tuple[Any, ...]) -> tuple[Any, Any, list]:
+    prep = self._prepare(args)
+    compiled = self._lower(args, prep).compile()
+    self.compiles += 1
+    # A DAP plan learns the step's memory without prefetch from its first
+    # compile; a plan over the budget is re-planned once, within it.
+    if self.tuner and self.tuner.calibrate(_device_need(compiled)):
+      compiled = self._lower(args, prep).compile()
+      self.compiles += 1
+    self._check_budget(compiled)
+    flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+    # Where each output comes from: a pool-resident argument leaf (updated
+    # in place) or the compiled step's results.
+    sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
+    sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
+               else None for i in sources]
+    return compiled, prep.out_tree, sources
+
+  def _cache_key(self, args: tuple[Any, ...]) -> Any:
+    return self._signature(args), self.tuner.version if self.tuner else 0
+
   def __call__(self, *args):
     for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array):
       if isinstance(leaf, PoolArray):
         registry.find_pool(leaf.pool_id, what=leaf._what())
-    key = self._signature(args)
-    entry = self._compiled.get(key)
-    if entry is None:
-      prep = self._prepare(args)
-      compiled = self._lower(args, prep).compile()
-      self._check_budget(compiled)
-      flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
-      # Where each output comes from: a pool-resident argument leaf (updated
-      # in place) or the compiled step's results.
-      sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
-      sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
-                 else None for i in sources]
-      entry = self._compiled[key] = (compiled, prep.out_tree, sources)
-    compiled, out_tree, sources = entry
+    if self._cache_key(args) not in self._compiled:
+      entry = self._compile(args)
+      # Keyed after compiling: a DAP budget re-plan moves the plan on.
+      self._compiled[self._cache_key(args)] = entry
+    compiled, out_tree, sources = self._compiled[self._cache_key(args)]
+    measure = self.tuner is not None and self.tuner.wants_measurement()
+    if measure:
+      jax.block_until_ready(self._last_results)
+      self._collect()  # waits of earlier steps belong to them
+      started = _jcxl.now_ns()
     self._last_results = compiled(*args)
+    if measure:
+      jax.block_until_ready(self._last_results)
+      window = (started, _jcxl.now_ns())
+      self.last_profile = profile_lib.profile_step(
+          self._collect(), self._first_device, window, self._segments)
+    if self.tuner:
+      self.tuner.step_done(self.last_profile if measure else None)
     results = iter(self._last_results)
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     return jax.tree_util.tree_unflatten(
@@ -557,10 +700,9 @@ class OffloadedStep:
   def _check_budget(self, compiled: Any) -> None:
     if self._budget is None:
       return
-    m = compiled.memory_analysis()
-    need = (m.temp_size_in_bytes + m.argument_size_in_bytes +
-            m.output_size_in_bytes - m.alias_size_in_bytes)
+    need = _device_need(compiled)
     if need > self._budget:
+      m = compiled.memory_analysis()
       raise MemoryError(
           f"{self.__name__} needs {format_bytes(need)} of device memory "
           f"(temporaries {format_bytes(m.temp_size_in_bytes)}, arguments "
@@ -573,10 +715,22 @@ class OffloadedStep:
 
   def memory_analysis(self, *args) -> Any:
     """The compiled step's ``memory_analysis()`` for these arguments."""
-    key = self._signature(args)
-    entry = self._compiled.get(key)
+    entry = self._compiled.get(self._cache_key(args))
     compiled = entry[0] if entry else self.lower(*args).compile()
     return compiled.memory_analysis()
+
+  def _collect(self) -> list[profile_lib.Wait]:
+    """Drains the logged waits; adds this step's to the report totals."""
+    waits = profile_lib.waits_from_raw(_jcxl.drain_stream_waits())
+    for w in waits:
+      name = self._groups.get(w.record.handle)
+      if name is None:
+        continue
+      entry = self._moved[name]
+      entry[1 if w.record.to_pool else 0] += w.record.nbytes
+      entry[2] += w.wait_ns * 1e-9
+      entry[3] += 1
+    return waits
 
   def report(self) -> list[LayerReport]:
     """Per layer: bytes moved and time the step waited, since last call.
@@ -584,19 +738,30 @@ class OffloadedStep:
     Waits for the steps already dispatched to finish first.
     """
     jax.block_until_ready(self._last_results)
-    moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
-    for raw, _, wait_ns in _jcxl.drain_stream_waits():
-      record = TransferRecord.from_tuple(raw)
-      name = self._groups.get(record.handle)
-      if name is None:
-        continue
-      entry = moved[name]
-      entry[1 if record.to_pool else 0] += record.nbytes
-      entry[2] += wait_ns * 1e-9
-      entry[3] += 1
+    self._collect()
+    moved, self._moved = self._moved, collections.defaultdict(
+        lambda: [0, 0, 0.0, 0])
     return [LayerReport(name, *moved[name]) for name in
             (l.name for l in (self.plan.layers if self.plan else ()))
             if name in moved]
+
+
+def _device_need(compiled: Any) -> int:
+  """Device bytes a compiled step needs (what the budget is checked on)."""
+  m = compiled.memory_analysis()
+  return (m.temp_size_in_bytes + m.argument_size_in_bytes +
+          m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _tier_links(resident: Any) -> dict[str, costmodel.Link]:
+  """The planning view of the links of every tier the step streams from."""
+  links = {}
+  for x in resident:
+    if isinstance(x, PoolArray) and x.tier.value not in links:
+      model = registry.find_pool(x.pool_id, what=x._what()).link_estimate(
+          x.tier)
+      links[x.tier.value] = costmodel.Link(model.bandwidth, model.latency_s)
+  return links
 
 
 def cxl_offload(fn: Callable | None = None, *,
@@ -624,11 +789,27 @@ def cxl_offload(fn: Callable | None = None, *,
     fn: the step.
     device_budget: device memory the compiled step may use (bytes or e.g.
       '2GiB'); checked at compile time against ``memory_analysis()``.
-    schedule: 'fixed:k': fetch each layer's leaves k layers ahead.
+    schedule: how far ahead each layer's leaves are fetched:
+      'fixed:k' (k layers ahead), 'sync' (k = 0), 'bucket[:N]' (DeepSpeed
+      ZeRO-3's prefetch bucket of N elements, default 5e7), 'plan:PATH' (a
+      saved ``step.plan``), or 'dap[:PATH]' (Dynamic Adaptive Pipelining:
+      planned from a cost model within `device_budget`, then re-planned
+      from measured steps, optionally starting from a saved plan).
 
   Returns:
-    The rewritten step; ``step.plan`` is the per-layer plan it compiled and
-    ``step.report()`` the bytes moved and time waited per layer.
+    The rewritten step; ``step.plan`` is the per-layer plan it compiled
+    (``print`` it; ``step.plan.save(path)`` keeps it), ``step.report()``
+    the bytes moved and time waited per layer, ``step.tuner`` the DAP
+    tuner (its ``history``) and ``step.last_profile`` the last measured
+    step (per layer transfer, compute and stall time).
+
+  Example with the adaptive schedule:
+    >>> @jcxl.cxl_offload(device_budget="2GiB", schedule="dap")
+    ... def train_step(params, opt_state, batch): ...
+    >>> for batch in batches:
+    ...   params, opt_state, loss = train_step(params, opt_state, batch)
+    >>> print(train_step.plan)   # per layer: prefetch, chunk; and why
+    >>> train_step.plan.save("plan.json")  # schedule="dap:plan.json" later
   """
   budget = (None if device_budget is None else
             parse_bytes(device_budget, name="device_budget"))

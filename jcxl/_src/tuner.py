@@ -1,0 +1,235 @@
+"""Dynamic Adaptive Pipelining: the online tuner behind ``schedule='dap'``.
+
+It starts from the cost model's plan (layer bytes, the tiers' links,
+compute estimated from the step's equations) within the device budget,
+then measures a few steps, re-plans from what it measured (each segment's
+compute, each tier's achieved bandwidth) and recompiles only when the plan
+changes, a bounded number of times. Once the plan holds, it measures one
+step every so often; when the measured step drifts from the plan's
+prediction (a link slowed because another job shares it, say) it measures
+again and re-plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from collections.abc import Mapping, Sequence
+
+from jcxl._src import costmodel
+from jcxl._src.profile import StepProfile
+from jcxl._src.schedule import LayerSchedule
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TunerOptions:
+  """Knobs of the online tuner.
+
+  Attributes:
+    warmup_steps: steps run before the first measurement (the first call
+      compiles; caches warm up).
+    measure_steps: steps measured before each re-plan (their medians
+      are used: the first step after a recompile runs slow).
+    max_replans: plan changes (recompiles) allowed over the whole run.
+    check_every: once converged, measure one step in this many.
+    drift: relative change of a measured step time or link bandwidth,
+      against what the plan was made for, that triggers a re-plan.
+  """
+  warmup_steps: int = 1
+  measure_steps: int = 3
+  max_replans: int = 6
+  check_every: int = 8
+  drift: float = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class TunerEvent:
+  """One thing the tuner did, for its history."""
+  step: int
+  what: str  # 'plan', 'replan', 'converged', 'drift', 'frozen', 'budget'
+  predicted_s: float | None
+  measured_s: float | None
+  detail: str = ""
+
+
+class Tuner:
+  """Chooses and re-chooses a ``LayerSchedule`` for one step function."""
+
+  def __init__(self, start: LayerSchedule | None, budget: int | None,
+               options: TunerOptions = TunerOptions()):
+    self.options = options
+    self.budget = budget
+    self.schedule = start
+    self.version = 0        # bumps on every plan change (a recompile)
+    self.replans = 0
+    self.history: list[TunerEvent] = []
+    self.prediction: costmodel.Prediction | None = None
+    self.reasons: tuple[str, ...] = ()
+    self._base_bytes: int | None = None  # device need with no prefetch
+    self._segments: list[costmodel.Segment] = []
+    self._links: dict[str, costmodel.Link] = {}
+    self._planned_for: dict[str, float] = {}  # tier -> bandwidth used
+    self._window: list[StepProfile] = []
+    self._state = "warmup"
+    self._baseline_s: float | None = None  # measured when it converged
+    self._steps = 0
+    self._since_check = 0
+
+  # ------------------------------------------------------------ planning
+
+  @property
+  def prefetch_budget(self) -> int | None:
+    if self.budget is None or self._base_bytes is None:
+      return None
+    return max(0, self.budget - self._base_bytes)
+
+  @property
+  def converged(self) -> bool:
+    return self._state == "steady"
+
+  def resolve(self, segments: Sequence[costmodel.Segment],
+              links: Mapping[str, costmodel.Link]) -> LayerSchedule:
+    """The schedule to compile with (called while the step is traced)."""
+    if not self._segments:  # estimates; measurements replace them later
+      self._segments, self._links = list(segments), dict(links)
+    if self.schedule is None:
+      self._replan("plan", measured_s=None)
+    elif self.prediction is None:
+      self.prediction = costmodel.simulate(
+          self._segments, dict(self.schedule.prefetch), self._links,
+          dict(self.schedule.chunk_bytes))
+    return self.schedule
+
+  def _replan(self, what: str, measured_s: float | None) -> bool:
+    start = dict(self.schedule.prefetch) if self.schedule else None
+    choice = costmodel.plan(self._segments, self._links,
+                            prefetch_budget=self.prefetch_budget, start=start)
+    schedule = LayerSchedule.of(choice.prefetch, choice.chunk_bytes,
+                                name="dap")
+    changed = schedule != self.schedule
+    if changed and self.schedule is not None:
+      if self.replans >= self.options.max_replans:
+        self._event("frozen", measured_s, "re-plan limit reached "
+                    f"({self.options.max_replans}); keeping the plan")
+        self._state = "steady"
+        return False
+      self.replans += 1
+      self.version += 1
+    self.schedule = schedule
+    self.prediction = choice.prediction
+    self.reasons = choice.reasons
+    self._planned_for = {t: l.bandwidth for t, l in self._links.items()}
+    self._event(what if changed else "converged", measured_s,
+                "; ".join(choice.reasons))
+    return changed
+
+  def calibrate(self, need_bytes: int) -> bool:
+    """Learns the device need without prefetch from a compiled plan's
+    need; re-plans (True) if that plan is over the budget."""
+    peak = costmodel.peak_prefetch_bytes(self._segments,
+                                         dict(self.schedule.prefetch))
+    self._base_bytes = need_bytes - peak
+    if self.budget is None or need_bytes <= self.budget:
+      return False
+    before = self.schedule
+    self._replan("budget", measured_s=None)
+    return self.schedule != before
+
+  # ----------------------------------------------------------- measuring
+
+  def wants_measurement(self) -> bool:
+    """Whether the next step should be measured."""
+    if self._state == "warmup":
+      return self._steps >= self.options.warmup_steps
+    if self._state == "measure":
+      return True
+    return self._since_check + 1 >= self.options.check_every
+
+  def step_done(self, profile: StepProfile | None) -> bool:
+    """Takes the next step's measurement (None: not measured).
+
+    Returns whether the plan changed (the step must be recompiled).
+    """
+    self._steps += 1
+    if profile is None:
+      self._since_check += 1
+      return False
+    if self._state == "steady":
+      self._since_check = 0
+      if not self._drifted(profile):
+        return False
+      self._event("drift", profile.step_s,
+                  f"measured {profile.step_s * 1e3:.2f} ms against "
+                  f"{_ms(self._baseline_s)} when the plan converged; "
+                  "links " + ", ".join(
+                      f"{t} {b / 1e9:.2f} GB/s"
+                      for t, b in profile.bandwidth_by_tier.items()))
+      self._window = []
+    self._state = "measure"
+    self._window.append(profile)
+    if len(self._window) < self.options.measure_steps:
+      return False
+    measured = statistics.median(p.step_s for p in self._window)
+    changed = self._learn_and_replan(measured)
+    self._window = []
+    if not changed:
+      self._state = "steady"
+      self._baseline_s = measured
+    return changed
+
+  def _drifted(self, profile: StepProfile) -> bool:
+    """Whether a link or the step time moved from what the plan was
+    made for (the step time against the one measured when it converged)."""
+    tolerance = self.options.drift
+    for tier, bw in profile.bandwidth_by_tier.items():
+      planned = self._planned_for.get(tier)
+      if planned and abs(bw - planned) > tolerance * planned:
+        return True
+    base = self._baseline_s
+    return bool(base) and abs(profile.step_s - base) > tolerance * base
+
+  def _learn_and_replan(self, measured_s: float) -> bool:
+    window = self._window
+    matched = [p.segment_compute_s for p in window
+               if p.segment_compute_s is not None]
+    if matched:
+      median = [statistics.median(c) for c in zip(*matched)]
+      self._segments = [dataclasses.replace(s, compute_s=c)
+                        for s, c in zip(self._segments, median)]
+    # Measured bandwidth is bytes over busy time: per-transfer overheads
+    # are in it already, so the learned link has no separate latency.
+    for tier in self._links:
+      seen = [p.bandwidth_by_tier[tier] for p in window
+              if tier in p.bandwidth_by_tier]
+      if seen:
+        self._links[tier] = costmodel.Link(statistics.median(seen), 0.0)
+    return self._replan("replan", measured_s)
+
+  def _event(self, what: str, measured_s: float | None, detail: str) -> None:
+    event = TunerEvent(self._steps, what,
+                       self.prediction.step_s if self.prediction else None,
+                       measured_s, detail)
+    self.history.append(event)
+    logger.info("dap step %d: %s (predicted %s, measured %s) %s", event.step,
+                what, _ms(event.predicted_s), _ms(measured_s), detail)
+
+  def predict(self, prefetch: Mapping[str, int]) -> costmodel.Prediction:
+    """The cost model's view of another plan, on what was measured."""
+    return costmodel.simulate(self._segments, prefetch, self._links,
+                              dict(self.schedule.chunk_bytes)
+                              if self.schedule else None)
+
+  @property
+  def segments(self) -> list[costmodel.Segment]:
+    return list(self._segments)
+
+  @property
+  def links(self) -> dict[str, costmodel.Link]:
+    return dict(self._links)
+
+
+def _ms(seconds: float | None) -> str:
+  return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"

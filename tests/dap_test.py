@@ -1,0 +1,287 @@
+"""Tests of the adaptive schedule: cost model, planner, profile, tuner."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jcxl
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from jcxl._src import costmodel
+from jcxl._src import profile as profile_lib
+from jcxl._src import schedule as schedule_lib
+from jcxl._src import tuner as tuner_lib
+from jcxl._src.pool import TransferRecord
+
+MiB = 1 << 20
+LINK = {"cxl": costmodel.Link(bandwidth=1e9, latency_s=0.0)}
+
+
+def seg(name, nbytes, compute_s, **kw):
+  return costmodel.Segment(name, nbytes, "cxl", compute_s, **kw)
+
+
+class SimulateTest:
+
+  def test_sync_fetch_waits_for_every_byte(self):
+    segments = [seg("a", 10 * MiB, 0.004), seg("b", 10 * MiB, 0.004)]
+    pred = costmodel.simulate(segments, {}, LINK)
+    transfer = 10 * MiB / 1e9
+    assert pred.step_s == pytest.approx(2 * (transfer + 0.004))
+    assert pred.stall_s == pytest.approx((transfer, transfer))
+    assert pred.peak_prefetch_bytes == 0
+
+  def test_prefetch_hides_transfer_behind_compute(self):
+    segments = [seg("a", 1 * MiB, 0.01), seg("b", 1 * MiB, 0.01)]
+    pred = costmodel.simulate(segments, {"b": 1}, LINK)
+    assert pred.stall_s[1] == 0.0  # b's 1 ms fetch ran during a's 10 ms
+    assert pred.peak_prefetch_bytes == 1 * MiB
+
+  def test_urgent_fetch_overtakes_queued_chunks(self):
+    # c (needed later, issued first) is chunked; b (needed first) must not
+    # wait behind all of it.
+    segments = [seg("a", 0, 0.001), seg("b", MiB, 0.001, priority=1),
+                seg("c", 8 * MiB, 0.001, priority=2)]
+    chunked = costmodel.simulate(segments, {"c": 2, "b": 0}, LINK,
+                                 {"c": 256 << 10})
+    whole = costmodel.simulate(segments, {"c": 2, "b": 0}, LINK)
+    assert chunked.stall_s[1] < whole.stall_s[1]
+
+  def test_stores_in_flight_bound_makes_the_step_wait(self):
+    segments = [seg("a", 0, 0.001, stores=(10 * MiB,) * 3)]
+    pred = costmodel.simulate(segments, {}, LINK)
+    one = 10 * MiB / 1e9
+    assert pred.stall_s[0] == pytest.approx(one - 0.0, rel=1e-6)
+    assert pred.step_s == pytest.approx(0.001 + 3 * one)
+
+
+@st.composite
+def cost_tables(draw):
+  n = draw(st.integers(1, 12))
+  segments = [seg(f"l{draw(st.integers(0, n - 1))}",
+                  draw(st.integers(0, 64)) * MiB,
+                  draw(st.floats(0, 0.05)),
+                  sequence=draw(st.integers(0, 1)))
+              for _ in range(n)]
+  bandwidth = draw(st.sampled_from([1e8, 1e9, 1e10]))
+  budget = draw(st.integers(0, 256)) * MiB
+  return segments, {"cxl": costmodel.Link(bandwidth, 2e-6)}, budget
+
+
+class PlannerTest:
+
+  @settings(max_examples=150, deadline=None)
+  @given(cost_tables())
+  def test_plan_respects_budget_and_never_loses_to_sync(self, table):
+    segments, links, budget = table
+    choice = costmodel.plan(segments, links, prefetch_budget=budget)
+    assert choice.prediction.peak_prefetch_bytes <= budget
+    assert costmodel.peak_prefetch_bytes(segments, choice.prefetch) <= budget
+    sync = costmodel.simulate(segments, {}, links, choice.chunk_bytes)
+    assert choice.prediction.step_s <= sync.step_s * (1 + 1e-9)
+    assert choice.reasons
+
+  def test_deepens_only_the_layer_that_needs_it(self):
+    # b is big and follows a long compute; c is tiny: only b prefetches.
+    segments = [seg("a", MiB, 0.05), seg("b", 40 * MiB, 0.001),
+                seg("c", 4096, 0.001)]
+    choice = costmodel.plan(segments, LINK)
+    assert choice.prefetch["b"] >= 1
+    assert choice.prefetch["c"] == 0
+    assert choice.prediction.step_s < costmodel.simulate(
+        segments, {}, LINK).step_s
+
+  def test_zero_budget_means_no_prefetch(self):
+    segments = [seg("a", MiB, 0.05), seg("b", 40 * MiB, 0.001)]
+    choice = costmodel.plan(segments, LINK, prefetch_budget=0)
+    assert all(k == 0 for k in choice.prefetch.values())
+
+  def test_bucket_prefetch_follows_deepspeed_rule(self):
+    # Each layer holds 10 elements; a bucket of 25 covers the next 2.
+    segments = [seg(f"l{i}", 40, 0.001, elements=10) for i in range(5)]
+    distances = costmodel.bucket_prefetch(segments, 25)
+    assert distances == {"l0": 0, "l1": 1, "l2": 2, "l3": 2, "l4": 2}
+
+  def test_choose_tiers_puts_least_hidden_layers_on_fastest_tier(self):
+    fast, slow = costmodel.Link(1e10), costmodel.Link(1e9)
+    tiers = costmodel.choose_tiers(
+        {"a": 100, "b": 100, "c": 100}, {"a": 1.0, "b": 0.0, "c": 0.5},
+        [("host", fast, 150), ("cxl", slow, 1000)])
+    assert tiers == {"b": "host", "c": "cxl", "a": "cxl"}
+    with pytest.raises(MemoryError, match="fits in no tier"):
+      costmodel.choose_tiers({"a": 10}, {}, [("host", fast, 5)])
+
+
+def wait(handle, nbytes, started, wait_ns, to_pool=False, tier="cxl"):
+  record = TransferRecord.from_tuple(
+      (0, handle, ["host", "cxl", "nvme"].index(tier), 0, 0 if to_pool else 1,
+       nbytes, 0, started - 100, started - 90, started + wait_ns, True))
+  return profile_lib.Wait(record, started, wait_ns)
+
+
+class ProfileTest:
+
+  def test_compute_stall_and_segments_from_waits(self):
+    layer_of = {1: "a", 2: "b", 9: "other device"}
+    segments = [seg("(start)", 0, 0), seg("a", 100, 0), seg("b", 200, 0)]
+    waits = [wait(1, 100, 1_000, 500),        # a: waits 500 ns
+             wait(2, 200, 5_000, 0),          # b
+             wait(2, 50, 6_000, 1_000, True)]  # a store b waited for
+    profile = profile_lib.profile_step(waits, layer_of, (0, 10_000),
+                                       segments)
+    a, b = profile.layers
+    assert (a.name, a.bytes_fetched) == ("a", 100)
+    assert a.stall_s == pytest.approx(500e-9)
+    assert a.compute_s == pytest.approx((5_000 - 1_500) * 1e-9)
+    # b computes until the step ends, less the store it waited for.
+    assert b.compute_s == pytest.approx((10_000 - 5_000 - 1_000) * 1e-9)
+    assert b.bytes_stored == 50
+    assert profile.segment_compute_s == pytest.approx(
+        (1_000e-9, 3_500e-9, 4_000e-9))
+    assert profile.step_s == pytest.approx(10e-6)
+
+  def test_overlapping_waits_count_once(self):
+    layer_of = {1: "a", 2: "b"}
+    waits = [wait(1, 10, 100, 1_000), wait(2, 10, 200, 1_000)]
+    profile = profile_lib.profile_step(waits, layer_of, (0, 2_000))
+    assert profile.stall_s == pytest.approx(1_100e-9)
+    assert profile.stall_fraction == pytest.approx(0.55)
+
+  def test_mismatched_timeline_gives_no_segment_times(self):
+    layer_of = {1: "a"}
+    profile = profile_lib.profile_step(
+        [wait(1, 10, 100, 0)], layer_of, (0, 1_000), [seg("b", 10, 0)])
+    assert profile.segment_compute_s is None
+
+
+class ScheduleStringTest:
+
+  @pytest.mark.parametrize("bad", ["fixed:-1", "fixed", "foo", "bucket:abc",
+                                   "bucket:0", "dap:", 3])
+  def test_bad_schedule_is_a_clear_error(self, bad):
+    with pytest.raises(ValueError, match="schedule must be"):
+      schedule_lib.parse_schedule(bad)
+
+  def test_missing_plan_file(self, tmp_path):
+    with pytest.raises(ValueError, match="cannot read plan"):
+      schedule_lib.parse_schedule(f"plan:{tmp_path}/nope.json")
+    (tmp_path / "bad.json").write_text("{\"layers\": 3}")
+    with pytest.raises(ValueError, match="not a jcxl plan"):
+      schedule_lib.parse_schedule(f"dap:{tmp_path}/bad.json")
+
+  def test_known_schedules(self):
+    assert schedule_lib.parse_schedule("sync") == schedule_lib.FixedSchedule(0)
+    assert schedule_lib.parse_schedule("bucket").elements == 50_000_000
+    assert schedule_lib.parse_schedule("bucket:5e3").elements == 5000
+    assert isinstance(schedule_lib.parse_schedule("dap"),
+                      schedule_lib.DapSchedule)
+
+
+def mlp():
+  rng = np.random.default_rng(0)
+  dims = [16, 64, 16, 64, 16]
+  params = {f"l{i}": {"w": (rng.normal(size=(dims[i], dims[i + 1])) *
+                            0.2).astype(np.float32)}
+            for i in range(len(dims) - 1)}
+
+  def loss_fn(p, x):
+    h = x
+    for i in range(len(dims) - 1):
+      h = jnp.tanh(h @ p[f"l{i}"]["w"])
+    return jnp.mean(h ** 2)
+  return params, loss_fn
+
+
+def make_step(loss_fn, tx):
+  def train_step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return train_step
+
+
+@pytest.fixture
+def pool():
+  link = jcxl.LinkModel("2GB/s", 5e-6)
+  with jcxl.Pool(host="16MiB", cxl="64MiB", cxl_link=link) as p:
+    yield p
+
+
+class DapStepTest:
+
+  def test_dap_trains_like_resident_and_recompiles_boundedly(
+      self, pool, tmp_path):
+    params, loss_fn = mlp()
+    tx = optax.adamw(1e-2)
+    x = jnp.ones((8, 16))
+    step_fn = make_step(loss_fn, tx)
+    ref_p, ref_s = params, tx.init(params)
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step = jcxl.cxl_offload(step_fn, schedule="dap", device_budget="64MiB")
+    resident = jax.jit(step_fn)
+    for _ in range(8):
+      p, s, loss = step(p, s, x)
+      ref_p, ref_s, ref_loss = resident(ref_p, ref_s, x)
+      np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(jcxl.gather(p)), jax.tree.leaves(ref_p)):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    tuner = step.tuner
+    assert tuner.history[0].what == "plan"
+    assert any(e.measured_s for e in tuner.history)
+    assert step.compiles <= 2 + tuner.replans
+    assert tuner.replans <= tuner.options.max_replans
+    assert step.plan.predicted_step_s > 0 and "dap" in str(step.plan)
+    # A layer's optimizer state plans with its parameters; adamw's step
+    # count is an object (a "layer") of its own.
+    assert sorted(l.name for l in step.plan.layers) == [
+        "['l0']", "['l1']", "['l2']", "['l3']", "[0].count"]
+    assert step.last_profile.step_s > 0
+    # The plan saves and a second run starts from it.
+    path = str(tmp_path / "plan.json")
+    step.plan.save(path)
+    loaded = schedule_lib.Plan.load(path)
+    assert loaded == step.plan
+    again = jcxl.cxl_offload(step_fn, schedule=f"dap:{path}")
+    assert again.tuner.schedule == step.plan.as_schedule()
+    fixed = jcxl.cxl_offload(step_fn, schedule=f"plan:{path}")
+    fixed(p, s, x)
+    assert [(l.name, l.prefetch) for l in fixed.plan.layers] == [
+        (l.name, l.prefetch) for l in step.plan.layers]
+
+  def test_slower_link_triggers_a_replan(self, pool):
+    params, loss_fn = mlp()
+    tx = optax.sgd(1e-2)
+    x = jnp.ones((8, 16))
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step = jcxl.cxl_offload(make_step(loss_fn, tx), schedule="dap")
+    step.tuner.options = tuner_lib.TunerOptions(check_every=2)
+    for _ in range(30):  # warm up, measure, re-plan, measure, converge
+      p, s, _ = step(p, s, x)
+      if step.tuner.converged:
+        break
+    assert step.tuner.converged
+    fast = step.tuner.links["cxl"].bandwidth
+    seen = len(step.tuner.history)
+    pool.set_link("cxl", jcxl.LinkModel("10MB/s", 5e-6))
+    for _ in range(6):  # a check, then the measured steps of a re-plan
+      p, s, _ = step(p, s, x)
+    assert any(e.what == "drift" for e in step.tuner.history[seen:])
+    assert step.tuner.links["cxl"].bandwidth < 0.5 * fast
+
+  def test_impossible_budget_says_by_how_much(self, pool):
+    params, loss_fn = mlp()
+    tx = optax.sgd(1e-2)
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step = jcxl.cxl_offload(make_step(loss_fn, tx), schedule="dap",
+                            device_budget=1024)
+    with pytest.raises(MemoryError, match="over by"):
+      step(p, s, jnp.ones((8, 16)))
+    assert all(k == 0 for _, k in step.tuner.schedule.prefetch)
