@@ -5,11 +5,38 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import app
+from absl import flags
 from absl import logging
+
+_HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
+
+
+def flags_parser(flag_values: flags.FlagValues, doc: str
+                 ) -> Callable[[Sequence[str]], list[str]]:
+  """An ``app.run`` `flags_parser` for a program whose flags live in a
+  FlagValues of its own (not absl's global one, so that programs sharing
+  flag names can be imported together, as the tests do).
+
+  It reads the program's flags from argv, then absl's own, and exits with a
+  usage message when a flag is unknown or its value out of range.
+  """
+  def parse(argv: Sequence[str]) -> list[str]:
+    if any(arg in _HELP_ARGS for arg in argv[1:]):
+      print(f"{doc}\nflags:\n{flag_values.get_help()}")
+      sys.exit(0)
+    try:
+      rest = flag_values(list(argv), known_only=True)
+    except flags.Error as e:
+      sys.stderr.write(f"FATAL Flags parsing error: {e}\n"
+                       "Pass --help to see help on flags.\n")
+      sys.exit(1)
+    return app.parse_flags_with_usage(rest)
+  return parse
 
 
 def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -525,28 +524,7 @@ def run(config: Config) -> dict[str, Any]:
   }
 
 
-_HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
-
-
-def parse_flags(argv: Sequence[str]) -> list[str]:
-  """Reads this program's flags from `argv`, then absl's own.
-
-  The `flags_parser` of ``app.run``: exits with absl's usage message when a
-  flag is unknown or its value is out of range.
-
-  Returns:
-    The program name and the arguments that are not flags (for ``main``).
-  """
-  if any(arg in _HELP_ARGS for arg in argv[1:]):
-    print(f"{__doc__}\nflags:\n{FLAGS.get_help()}")
-    sys.exit(0)
-  try:
-    rest = FLAGS(list(argv), known_only=True)
-  except flags.Error as e:
-    sys.stderr.write(f"FATAL Flags parsing error: {e}\n"
-                     "Pass --help to see help on flags.\n")
-    sys.exit(1)
-  return app.parse_flags_with_usage(rest)
+parse_flags = common.flags_parser(FLAGS, __doc__)
 
 
 def main(argv: Sequence[str]) -> None:

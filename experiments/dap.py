@@ -1,0 +1,360 @@
+r"""Dynamic Adaptive Pipelining against fixed and bucket prefetch schedules.
+
+For each model (layers that differ in size and compute) and each emulated
+cxl link bandwidth, trains the model with its parameters and adamw state
+in the cxl tier under every schedule, and reports the median step time,
+the compiled step's device need (checked against --device_budget) and the
+cost model's predicted step time (from what the DAP run measured):
+
+* ``sync``: each layer fetched right before it runs;
+* ``fixed:k``: every layer k layers ahead;
+* ``bucket``: DeepSpeed ZeRO-3's prefetch bucket (5e7 elements);
+* ``dap``: tuned online (the steps it takes to converge are not timed).
+
+Then, on the first model at the middle bandwidth, the link slows by
+--slowdown mid-run: the steps DAP takes to re-plan are counted and its step
+time compared with a DAP run tuned from scratch on the slow link.
+
+Writes results.csv, results.md, step_time.png, memory.png and stall.png
+into --run_dir; the emulated link parameters are in every title.
+
+  python -m experiments.dap --models=gpt2_bigvocab,wide_narrow \
+      --bandwidths=0.5GB/s,2GB/s,16GB/s --steps=8 --run_dir=runs/dap
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import optax
+
+import jcxl
+from jcxl._src import costmodel
+from jcxl._src.units import parse_bandwidth
+from jcxl._src.units import parse_bytes
+from experiments import common as exp_common
+from models import common
+from models import gpt2
+from models import mlp
+
+# The program's flags live in a FlagValues of their own (see
+# experiments.common.flags_parser).
+FLAGS = flags.FlagValues()
+
+MODELS = {
+    # A large vocabulary: the embedding/head layer dwarfs every block.
+    "gpt2_bigvocab": lambda: gpt2.tiny(vocab_size=16384, n_embd=128,
+                                       n_layer=4, n_ctx=64),
+    # Blocks alternate narrow->wide and wide->narrow.
+    "wide_narrow": lambda: mlp.wide_narrow(narrow=256, wide=2048,
+                                           num_blocks=6),
+}
+BATCHES = {"gpt2_bigvocab": 8, "wide_narrow": 256}
+SCHEDULES = ("sync", "fixed:1", "fixed:2", "fixed:3", "bucket", "dap")
+
+_MODELS = flags.DEFINE_list("models", list(MODELS), "models to run",
+                            flag_values=FLAGS)
+_BANDWIDTHS = flags.DEFINE_list(
+    "bandwidths", ["0.5GB/s", "2GB/s", "16GB/s"],
+    "emulated cxl link bandwidths", flag_values=FLAGS)
+_LATENCY_US = flags.DEFINE_float(
+    "link_latency_us", 2.0, "emulated cxl latency per transfer",
+    flag_values=FLAGS)
+_SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "schedules",
+                               flag_values=FLAGS)
+_STEPS = flags.DEFINE_integer("steps", 8, "timed steps per run",
+                              flag_values=FLAGS)
+_TUNE_STEPS = flags.DEFINE_integer(
+    "tune_steps", 30, "most untimed steps DAP may tune for",
+    flag_values=FLAGS)
+_BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
+                              flag_values=FLAGS)
+_SLOWDOWN = flags.DEFINE_float(
+    "slowdown", 2.0, "factor the link slows by mid-run (0: skip)",
+    flag_values=FLAGS)
+_RUN_DIR = flags.DEFINE_string("run_dir", "runs/dap", "output directory",
+                               flag_values=FLAGS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  models: tuple[str, ...]
+  bandwidths: tuple[float, ...]
+  latency_s: float
+  schedules: tuple[str, ...]
+  steps: int
+  tune_steps: int
+  device_budget: int
+  slowdown: float
+  run_dir: str
+
+  def validate(self) -> None:
+    for m in self.models:
+      if m not in MODELS:
+        raise ValueError(f"--models: unknown model {m!r}; known: "
+                         f"{sorted(MODELS)}")
+    for s in self.schedules:
+      jcxl.cxl_offload(lambda: None, schedule=s)  # raises on a bad one
+    if "dap" not in self.schedules:
+      raise ValueError("--schedules must include dap (the others are "
+                       "compared with it)")
+    if self.steps < 1 or self.tune_steps < 1:
+      raise ValueError("--steps and --tune_steps must be >= 1")
+    if self.slowdown and self.slowdown < 1:
+      raise ValueError(f"--slowdown must be >= 1 (or 0), got {self.slowdown}")
+
+
+def config_from_flags() -> Config:
+  return Config(
+      models=tuple(_MODELS.value),
+      bandwidths=tuple(parse_bandwidth(b, name="--bandwidths")
+                       for b in _BANDWIDTHS.value),
+      latency_s=_LATENCY_US.value * 1e-6, schedules=tuple(_SCHEDULES.value),
+      steps=_STEPS.value, tune_steps=_TUNE_STEPS.value,
+      device_budget=parse_bytes(_BUDGET.value, name="--device_budget"),
+      slowdown=_SLOWDOWN.value, run_dir=_RUN_DIR.value)
+
+
+class Case:
+  """One model's state, step and batch, placed afresh for every run."""
+
+  def __init__(self, name: str):
+    config = MODELS[name]()
+    self.name = name
+    self.params = common.init_params(config)
+    self.tx = optax.adamw(1e-3)
+    family = gpt2 if name.startswith("gpt2") else mlp
+    self.batch = family.example_batch(config, batch_size=BATCHES[name])
+    loss_fn = family.make_loss(config)
+    tx = self.tx
+
+    def train_step(params, opt_state, batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+    self.step_fn = train_step
+
+  def place(self, pool):
+    return (jcxl.place(self.params, "cxl", pool=pool),
+            jcxl.place(self.tx.init(self.params), "cxl", pool=pool))
+
+
+def _timed(step, state, batch, n) -> tuple[float, Any]:
+  times = []
+  for _ in range(n):
+    start = time.perf_counter()
+    *state, loss = step(*state, batch)
+    jax.block_until_ready(loss)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), state
+
+
+def _tune(step, state, batch, limit) -> tuple[int, Any, list]:
+  """Runs untimed steps until DAP converges; returns the steps taken."""
+  profiles = []
+  for n in range(1, limit + 1):
+    *state, _ = step(*state, batch)
+    if step.last_profile is not None and (
+        not profiles or profiles[-1] is not step.last_profile):
+      profiles.append(step.last_profile)
+    if step.tuner.converged:
+      return n, state, profiles
+  return limit, state, profiles
+
+
+def run_case(case: Case, bandwidth: float, config: Config) -> dict:
+  link = jcxl.LinkModel(bandwidth, config.latency_s)
+  rows, label, dap_tuner, stall = [], "", None, {}
+  for schedule in ("dap",) + tuple(s for s in config.schedules
+                                    if s != "dap"):
+    with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=link) as pool:
+      label = pool.stats()["cxl"].label()
+      state = case.place(pool)
+      step = jcxl.cxl_offload(case.step_fn, schedule=schedule,
+                              device_budget=config.device_budget)
+      tuned = 0
+      if schedule == "dap":
+        tuned, state, profiles = _tune(step, state, case.batch,
+                                       config.tune_steps)
+        dap_tuner = step.tuner
+        if profiles:
+          stall = {"before": profiles[0], "after": profiles[-1]}
+      else:
+        *state, _ = step(*state, case.batch)  # compile, warm up
+      median, state = _timed(step, state, case.batch, config.steps)
+      m = step.memory_analysis(*state, case.batch)
+      need = (m.temp_size_in_bytes + m.argument_size_in_bytes +
+              m.output_size_in_bytes - m.alias_size_in_bytes)
+      prefetch = {l.name: l.prefetch for l in step.plan.layers}
+      predicted = dap_tuner.predict(prefetch).step_s
+      rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
+                       schedule=schedule, step_ms=median * 1e3,
+                       predicted_ms=predicted * 1e3, device_need=need,
+                       within_budget=need <= config.device_budget,
+                       tune_steps=tuned, compiles=step.compiles))
+      logging.info("%s %.2f GB/s %s: %.2f ms (predicted %.2f), need %d B",
+                   case.name, bandwidth / 1e9, schedule, median * 1e3,
+                   predicted * 1e3, need)
+  return {"rows": rows, "label": label, "stall": stall}
+
+
+def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
+  """DAP through a mid-run link slowdown, against DAP tuned on the slow link."""
+  fast = jcxl.LinkModel(bandwidth, config.latency_s)
+  slow = jcxl.LinkModel(bandwidth / config.slowdown, config.latency_s)
+  with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=fast) as pool:
+    state = case.place(pool)
+    step = jcxl.cxl_offload(case.step_fn, schedule="dap",
+                            device_budget=config.device_budget)
+    _, state, _ = _tune(step, state, case.batch, config.tune_steps)
+    before, state = _timed(step, state, case.batch, config.steps)
+    pool.set_link("cxl", slow)
+    seen = len(step.tuner.history)
+    replanned_after = None
+    for n in range(1, config.tune_steps + 1):
+      *state, _ = step(*state, case.batch)
+      events = [e.what for e in step.tuner.history[seen:]]
+      if "drift" in events and step.tuner.converged:
+        replanned_after = n
+        break
+    after, state = _timed(step, state, case.batch, config.steps)
+  with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=slow) as pool:
+    state = case.place(pool)
+    fresh_step = jcxl.cxl_offload(case.step_fn, schedule="dap",
+                                  device_budget=config.device_budget)
+    _, state, _ = _tune(fresh_step, state, case.batch, config.tune_steps)
+    fresh, _ = _timed(fresh_step, state, case.batch, config.steps)
+  return dict(model=case.name, fast_gbps=bandwidth / 1e9,
+              slow_gbps=bandwidth / config.slowdown / 1e9,
+              before_ms=before * 1e3, after_ms=after * 1e3,
+              fresh_ms=fresh * 1e3, replanned_after_steps=replanned_after,
+              after_over_fresh=after / fresh)
+
+
+def _markdown(rows: list[dict], labels: dict, slowdown: dict | None) -> str:
+  out = ["# DAP against fixed and bucket schedules", ""]
+  out += [f"- {case}: cxl {label}" for case, label in labels.items()]
+  out += ["", "| model | link GB/s | schedule | step ms | predicted ms | "
+          "device need MiB | within budget |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    out.append(f"| {r['model']} | {r['bandwidth_gbps']:g} | {r['schedule']} |"
+               f" {r['step_ms']:.2f} | {r['predicted_ms']:.2f} | "
+               f"{r['device_need'] / 2**20:.1f} | {r['within_budget']} |")
+  out += ["", "DAP against the best fixed prefetch distance, per case:", ""]
+  for (model, bw), group in _cases(rows).items():
+    fixed = [r for r in group if r["schedule"].startswith("fixed")]
+    dap = next(r for r in group if r["schedule"] == "dap")
+    best = min(fixed, key=lambda r: r["step_ms"]) if fixed else None
+    if best:
+      out.append(f"- {model} @ {bw:g} GB/s: dap {dap['step_ms']:.2f} ms, "
+                 f"best fixed {best['schedule']} {best['step_ms']:.2f} ms "
+                 f"(ratio {dap['step_ms'] / best['step_ms']:.3f}); dap's "
+                 f"predicted/measured {dap['predicted_ms'] / dap['step_ms']:.3f}")
+  if slowdown:
+    out += ["", f"Link slowdown ({slowdown['fast_gbps']:g} -> "
+            f"{slowdown['slow_gbps']:g} GB/s) on {slowdown['model']}: re-planned "
+            f"after {slowdown['replanned_after_steps']} steps; step "
+            f"{slowdown['before_ms']:.2f} -> {slowdown['after_ms']:.2f} ms, "
+            f"DAP tuned from scratch on the slow link {slowdown['fresh_ms']:.2f}"
+            f" ms (ratio {slowdown['after_over_fresh']:.3f})."]
+  return "\n".join(out) + "\n"
+
+
+def _cases(rows):
+  out: dict = {}
+  for r in rows:
+    out.setdefault((r["model"], r["bandwidth_gbps"]), []).append(r)
+  return out
+
+
+def _plots(rows: list[dict], stalls: dict, title: str, run_dir: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  cases = _cases(rows)
+  for key, fname, ylabel in (("step_ms", "step_time.png", "step time (ms)"),
+                             ("device_need", "memory.png",
+                              "device need (bytes)")):
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    width = 0.8 / len(schedules)
+    for j, s in enumerate(schedules):
+      values = [next((r[key] for r in g if r["schedule"] == s), 0)
+                for g in cases.values()]
+      ax.bar([i + j * width for i in range(len(cases))], values, width,
+             label=s)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels([f"{m}\n{bw:g} GB/s" for m, bw in cases], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, fname))
+    plt.close(fig)
+  fig, axes = plt.subplots(1, max(1, len(stalls)), squeeze=False,
+                           figsize=(6 * max(1, len(stalls)), 4))
+  for ax, (case, profiles) in zip(axes[0], stalls.items()):
+    for offset, (when, profile) in enumerate(profiles.items()):
+      names = [l.name for l in profile.layers]
+      ax.bar([i + 0.4 * offset for i in range(len(names))],
+             [l.stall_s * 1e3 for l in profile.layers], 0.4,
+             label=f"{when} tuning ({profile.stall_fraction:.0%} stalled)")
+      ax.set_xticks(range(len(names)))
+      ax.set_xticklabels(names, rotation=60, fontsize=6)
+    ax.set_ylabel("stall per step (ms)")
+    ax.set_title(f"{case}\n{title}", fontsize=7)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(run_dir, "stall.png"))
+  plt.close(fig)
+
+
+def run(config: Config) -> dict:
+  os.makedirs(config.run_dir, exist_ok=True)
+  rows, labels, stalls = [], {}, {}
+  cases = {name: Case(name) for name in config.models}
+  for case in cases.values():
+    for bw in config.bandwidths:
+      result = run_case(case, bw, config)
+      rows += result["rows"]
+      labels[f"{case.name} @ {bw / 1e9:g} GB/s"] = result["label"]
+      if result["stall"]:
+        stalls[f"{case.name} @ {bw / 1e9:g} GB/s"] = result["stall"]
+  slowdown = None
+  if config.slowdown:
+    mid = sorted(config.bandwidths)[len(config.bandwidths) // 2]
+    slowdown = run_slowdown(cases[config.models[0]], mid, config)
+  machine = exp_common.machine_description() if hasattr(
+      exp_common, "machine_description") else f"{os.cpu_count()} cores"
+  title = (f"cxl EMULATED (link bandwidths {[b / 1e9 for b in config.bandwidths]}"
+           f" GB/s, {config.latency_s * 1e6:g} us per transfer); {machine}")
+  with open(os.path.join(config.run_dir, "results.csv"), "w",
+            newline="", encoding="utf-8") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  text = f"{title}\n\n" + _markdown(rows, labels, slowdown)
+  with open(os.path.join(config.run_dir, "results.md"), "w",
+            encoding="utf-8") as f:
+    f.write(text)
+  _plots(rows, stalls, title, config.run_dir)
+  print(text)
+  return {"rows": rows, "slowdown": slowdown, "title": title}
+
+
+def main(argv: Sequence[str]) -> None:
+  exp_common.run_program(argv, config_from_flags, run)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=exp_common.flags_parser(FLAGS, __doc__))
