@@ -60,3 +60,29 @@ def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],
       json.dump(results, f, indent=2)
     logging.info("wrote %s", json_out)
   return results
+
+
+def check_directory(path: str, *, flag: str, writable: bool = True) -> str:
+  """Returns `path` if it is an existing (writable) directory.
+
+  Raises:
+    ValueError: naming `flag`, when it does not exist, is not a directory or
+      cannot be written.
+  """
+  if not os.path.exists(path):
+    raise ValueError(f"{flag} {path!r} does not exist; create it or pass an "
+                     "existing directory")
+  if not os.path.isdir(path):
+    raise ValueError(f"{flag} {path!r} is not a directory")
+  if writable and not os.access(path, os.W_OK | os.X_OK):
+    raise ValueError(f"{flag} {path!r} is not writable by this process")
+  return path
+
+
+def write_json(path: str, value: Any) -> None:
+  """Writes `value` as indented JSON, replacing `path` in one step."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=2)
+    f.write("\n")
+  os.replace(tmp, path)  # a reader never sees half a file

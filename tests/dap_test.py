@@ -210,6 +210,7 @@ def pool():
   link = jcxl.LinkModel("2GB/s", 5e-6)
   with jcxl.Pool(host="16MiB", cxl="64MiB", cxl_link=link) as p:
     yield p
+    jax.effects_barrier()  # no step still running when the pool closes
 
 
 class DapStepTest:

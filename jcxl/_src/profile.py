@@ -108,18 +108,28 @@ def _busy_seconds(intervals: list[tuple[int, int]]) -> float:
 def _match_segments(fetches: list[Wait], layer_of: Mapping[int, str],
                     segments: Sequence[costmodel.Segment]
                     ) -> list[int] | None:
-  """Assigns each fetch wait (in time order) to a timeline segment by
-  layer and bytes; None where the two disagree."""
-  out, g, filled = [], 0, 0
-  moving = [i for i, s in enumerate(segments) if s.nbytes]
+  """Assigns each fetch wait to a timeline segment: a layer's waits, in
+  time order, fill that layer's segments in step order, by bytes (XLA may
+  interleave different layers' work, never one layer's uses). None where
+  the two disagree."""
+  own: dict[str, list[int]] = {}
+  for g, seg in enumerate(segments):
+    if seg.nbytes:
+      own.setdefault(seg.name, []).append(g)
+  at = {name: [0, 0] for name in own}  # next segment, bytes filled in it
+  out = []
   for w in fetches:
-    while g < len(moving) and filled >= segments[moving[g]].nbytes:
-      g, filled = g + 1, 0
-    if g == len(moving) or segments[moving[g]].name != layer_of[
-        w.record.handle]:
+    name = layer_of[w.record.handle]
+    if name not in own:
       return None
-    out.append(moving[g])
-    filled += w.record.nbytes
+    mine, cursor = own[name], at[name]
+    while cursor[0] < len(mine) and cursor[1] >= segments[
+        mine[cursor[0]]].nbytes:
+      cursor[0], cursor[1] = cursor[0] + 1, 0
+    if cursor[0] == len(mine):
+      return None
+    out.append(mine[cursor[0]])
+    cursor[1] += w.record.nbytes
   return out
 
 

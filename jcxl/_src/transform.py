@@ -284,6 +284,7 @@ class _Interpreter:
     self.store_after = store_after  # output key -> node index
     self.stores_in_flight: collections.deque = collections.deque()
     self.stored: set = set()
+    self.last: Any = None  # the latest output: where the step has got to
 
   def _start(self, c: _Cluster, after: Any) -> None:
     target = self.planner.resident[c.key]
@@ -306,7 +307,9 @@ class _Interpreter:
         pending = self.pending.pop(id(c), None)
         if pending is None:  # not started ahead (e.g. schedule fixed:0)
           pending = fetch_start(self.env[key], priority=c.unit)
-        self.fetched[id(c)] = fetch_done(pending)
+        # Waited for where the step needs it (after what came before), so
+        # XLA cannot hoist the wait onto another thread ahead of time.
+        self.fetched[id(c)] = fetch_done(pending, after=self.last)
       else:
         sharding = target.sharding.with_memory_kind("device")
         self.fetched[id(c)] = jax.device_put(self.env[key], sharding)
@@ -394,11 +397,10 @@ class _Interpreter:
     return self.env[key]
 
   def run(self) -> None:
-    last = None
     self._issue_stores(-1)
     for i, node in enumerate(self.program.nodes):
       for c in self.planner.starts_at.get(i, ()):
-        self._start(c, last)
+        self._start(c, self.last)
       streamed = self.planner.streamed.get(i)
       if isinstance(node, SlicedNode):
         outs = self._sliced_loop(node, i)
@@ -409,7 +411,7 @@ class _Interpreter:
       for key, value in zip(node.outs, outs):
         self.env[key] = value
       if outs:
-        last = outs[0]
+        self.last = outs[0]
       for c in [c for c in self.planner.clusters if c.last == i]:
         self.fetched.pop(id(c), None)  # the buffer dies after its cluster
       self._issue_stores(i)
