@@ -172,31 +172,43 @@ def _tune(step, state, batch, limit) -> tuple[int, Any, list]:
   return limit, state, profiles
 
 
+def _device_need(step, state, batch) -> int:
+  m = step.memory_analysis(*state, batch)
+  return (m.temp_size_in_bytes + m.argument_size_in_bytes +
+          m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
 def run_case(case: Case, bandwidth: float, config: Config) -> dict:
+  """Every schedule on one model and link, timed in interleaved rounds (one
+  step of each schedule per round) so that a shared machine's changing load
+  falls on all of them alike."""
   link = jcxl.LinkModel(bandwidth, config.latency_s)
-  rows, label, dap_tuner, stall = [], "", None, {}
-  for schedule in ("dap",) + tuple(s for s in config.schedules
-                                    if s != "dap"):
-    with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=link) as pool:
-      label = pool.stats()["cxl"].label()
-      state = case.place(pool)
+  with jcxl.Pool(host="64MiB", cxl="4GiB", cxl_link=link) as pool:
+    label = pool.stats()["cxl"].label()
+    runs = {}
+    for schedule in ("dap",) + tuple(s for s in config.schedules
+                                      if s != "dap"):
       step = jcxl.cxl_offload(case.step_fn, schedule=schedule,
                               device_budget=config.device_budget)
-      tuned = 0
-      if schedule == "dap":
-        tuned, state, profiles = _tune(step, state, case.batch,
-                                       config.tune_steps)
-        dap_tuner = step.tuner
-        if profiles:
-          stall = {"before": profiles[0], "after": profiles[-1]}
-      else:
-        *state, _ = step(*state, case.batch)  # compile, warm up
-      median, state = _timed(step, state, case.batch, config.steps)
-      m = step.memory_analysis(*state, case.batch)
-      need = (m.temp_size_in_bytes + m.argument_size_in_bytes +
-              m.output_size_in_bytes - m.alias_size_in_bytes)
+      runs[schedule] = [step, case.place(pool), 0]
+    step, state, _ = runs["dap"]
+    tuned, state, profiles = _tune(step, state, case.batch,
+                                   config.tune_steps)
+    runs["dap"][1:] = [state, tuned]
+    for run_ in runs.values():  # compile, warm up
+      *run_[1], _ = run_[0](*run_[1], case.batch)
+    times = {s: [] for s in runs}
+    for _ in range(config.steps):
+      for schedule, run_ in runs.items():
+        seconds, run_[1] = _timed(run_[0], run_[1], case.batch, 1)
+        times[schedule].append(seconds)
+    tuner = runs["dap"][0].tuner
+    rows = []
+    for schedule, (step, state, tuned) in runs.items():
+      median = statistics.median(times[schedule])
+      need = _device_need(step, state, case.batch)
       prefetch = {l.name: l.prefetch for l in step.plan.layers}
-      predicted = dap_tuner.predict(prefetch).step_s
+      predicted = tuner.predict(prefetch).step_s
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
                        schedule=schedule, step_ms=median * 1e3,
                        predicted_ms=predicted * 1e3, device_need=need,
@@ -205,6 +217,7 @@ def run_case(case: Case, bandwidth: float, config: Config) -> dict:
       logging.info("%s %.2f GB/s %s: %.2f ms (predicted %.2f), need %d B",
                    case.name, bandwidth / 1e9, schedule, median * 1e3,
                    predicted * 1e3, need)
+  stall = {"before": profiles[0], "after": profiles[-1]} if profiles else {}
   return {"rows": rows, "label": label, "stall": stall}
 
 
