@@ -51,3 +51,13 @@ def bind(eqn, values, **overrides):
 def eval_jaxpr(jaxpr, consts, *args):
   from jax.extend import core as jex  # pylint: disable=g-import-not-at-top
   return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, consts))(*args)
+
+
+def saved_residual_bytes(fn, *args) -> int:
+  """Bytes the forward pass of `fn` saves for its backward pass (the
+  activations), arguments excluded; `args` may be abstract."""
+  import math  # pylint: disable=g-import-not-at-top
+  from jax._src import ad_checkpoint  # pylint: disable=g-import-not-at-top
+  return sum(math.prod(aval.shape) * aval.dtype.itemsize
+             for aval, why in ad_checkpoint.saved_residuals(fn, *args)
+             if "argument" not in why)

@@ -229,9 +229,15 @@ def gather_one(array: PoolArray) -> jax.Array:
 def gather(tree: Any) -> Any:
   """Brings every PoolArray of `tree` back as a ``jax.Array``.
 
+  It first waits for the steps already dispatched (an offloaded step's
+  stores may still be writing the objects).
+
   Example:
     >>> params = jcxl.gather(params)  # ordinary arrays again
   """
+  if any(isinstance(x, PoolArray) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, PoolArray))):
+    jax.effects_barrier()
   return jax.tree_util.tree_map(
       lambda x: gather_one(x) if isinstance(x, PoolArray) else x, tree,
       is_leaf=lambda x: isinstance(x, PoolArray))

@@ -39,6 +39,7 @@ from jcxl._src import profile as profile_lib
 from jcxl._src import registry
 from jcxl._src import schedule as schedule_lib
 from jcxl._src import tuner as tuner_lib
+from jcxl._src.pool import Tier
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.sliced_update import SlicedNode
 from jcxl._src.sliced_update import evaluate_slice
@@ -250,6 +251,11 @@ class _Planner:
     return None
 
 
+def _mark(value: jax.Array) -> jax.Array:
+  """A scalar that exists once `value` does (a cheap dependency on it)."""
+  return value.reshape(-1)[0] if value.size else jax.numpy.zeros(())
+
+
 def _shard_bytes(x: PoolArray) -> int:
   return int(np.prod(x.shard_shape)) * x.dtype.itemsize
 
@@ -285,6 +291,10 @@ class _Interpreter:
     self.stores_in_flight: collections.deque = collections.deque()
     self.stored: set = set()
     self.last: Any = None  # the latest output: where the step has got to
+    old = {id(v): k for k, v in planner.resident.items()}
+    self.overwritten_by = {key: old[id(t)] for key, t in stores.items()}
+    self.overwritten = set(self.overwritten_by.values())
+    self.reads: dict[Any, list] = collections.defaultdict(list)
 
   def _start(self, c: _Cluster, after: Any) -> None:
     target = self.planner.resident[c.key]
@@ -310,6 +320,8 @@ class _Interpreter:
         # Waited for where the step needs it (after what came before), so
         # XLA cannot hoist the wait onto another thread ahead of time.
         self.fetched[id(c)] = fetch_done(pending, after=self.last)
+        if key in self.overwritten:  # its store must wait for this read
+          self.reads[key].append(_mark(self.fetched[id(c)]))
       else:
         sharding = target.sharding.with_memory_kind("device")
         self.fetched[id(c)] = jax.device_put(self.env[key], sharding)
@@ -380,7 +392,11 @@ class _Interpreter:
   def _store(self, key: Any) -> None:
     self.stored.add(key)
     value = self.read_output(key)
-    self.stores_in_flight.append(store_start(self.stores[key], value))
+    # Not before every read of the value it overwrites (XLA would
+    # otherwise be free to run the store first).
+    reads = self.reads.get(self.overwritten_by.get(key), [])
+    self.stores_in_flight.append(
+        store_start(self.stores[key], value, after=reads or None))
     while len(self.stores_in_flight) > costmodel.STORES_IN_FLIGHT:
       store_done(self.stores_in_flight.popleft())
 
@@ -440,6 +456,20 @@ class _Prepared:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Analysis:
+  """A traced step as the rewrite sees it."""
+  program: Program
+  planner: _Planner
+  resident: dict[Any, Any]
+  key_paths: dict[Any, str]
+  values: dict[Any, Any]
+  stores: dict[Any, PoolArray]
+  store_after: dict[Any, int]
+  returned: list[tuple[Any, Any]]
+  segments: list[costmodel.Segment]
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerReport:
   """What one layer moved and waited for in the steps since the last report."""
   name: str
@@ -496,8 +526,8 @@ class OffloadedStep:
         targets={j: position[id(t)] for j, t in targets.items()},
         out_tree=jax.tree_util.tree_structure(out_shape))
 
-  # The traced function: args in, the outputs that are not pool state out.
-  def _run(self, args: tuple[Any, ...], prep: "_Prepared") -> list[Any]:
+  def _analyze(self, args: tuple[Any, ...], prep: "_Prepared") -> _Analysis:
+    """Traces the step and finds its clusters, stores and timeline."""
     flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     closed = jax.make_jaxpr(self._fn)(*prep.avals)
     paths = [jax.tree_util.keystr(p) for p, _ in
@@ -535,22 +565,29 @@ class OffloadedStep:
     store_after = {key: max(producer.get(key, -1),
                             planner.last_use.get(old_key[id(t)], -1))
                    for key, t in stores.items()}
-    segments = planner.timeline(stores, store_after)
-    links = _tier_links(resident.values())
-    schedule = (self.tuner.resolve(segments, links) if self.tuner else
-                self._schedule.resolve(segments, links))
-    planner.schedule_fetches(schedule)
-    interpreter = _Interpreter(program, planner, values, schedule,
-                               stores, store_after)
+    return _Analysis(program, planner, resident, key_paths, values, stores,
+                     store_after, returned,
+                     planner.timeline(stores, store_after))
+
+  # The traced function: args in, the outputs that are not pool state out.
+  def _run(self, args: tuple[Any, ...], prep: "_Prepared") -> list[Any]:
+    a = self._analyze(args, prep)
+    links = _tier_links(a.resident.values())
+    schedule = (self.tuner.resolve(a.segments, links) if self.tuner else
+                self._schedule.resolve(a.segments, links))
+    a.planner.schedule_fetches(schedule)
+    interpreter = _Interpreter(a.program, a.planner, a.values, schedule,
+                               a.stores, a.store_after)
     interpreter.run()
     out = []
-    for key, target in returned:
+    for key, target in a.returned:
       value = interpreter.read_output(key)
       if isinstance(target, _Pinned):  # back to JAX's pinned host memory
         value = jax.device_put(value, target.sharding)
       out.append(value)
-    self._segments = segments
-    self._record_plan(planner, key_paths, resident, schedule, segments, links)
+    self._segments = a.segments
+    self._record_plan(a.planner, a.key_paths, a.resident, schedule,
+                      a.segments, links)
     return out
 
   def _state_targets(self, args: tuple[Any, ...], out_shape: Any
@@ -764,6 +801,38 @@ def _tier_links(resident: Any) -> dict[str, costmodel.Link]:
           x.tier)
       links[x.tier.value] = costmodel.Link(model.bandwidth, model.latency_s)
   return links
+
+
+def step_timeline(fn: Callable, state: tuple[Any, ...], *rest: Any,
+                  tier_of: Callable[[str], str] = lambda path: "cxl"
+                  ) -> tuple[list[costmodel.Segment], dict[str, int]]:
+  """The layer timeline of a step, planned without a pool or any memory.
+
+  `state` holds the step's state arguments as ``jax.ShapeDtypeStruct``
+  trees (e.g. ``jax.eval_shape`` of an init): each leaf is planned as if
+  placed in tier ``tier_of(path)``. `rest` are the other arguments
+  (abstract too). Compute times are estimates (see compute_estimate).
+
+  Returns:
+    The segments, and the bytes of state each layer holds in the pool.
+  """
+  device = jax.devices()[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  layer_bytes: dict[str, int] = collections.defaultdict(int)
+
+  def virtual(path, leaf):
+    path = jax.tree_util.keystr(path)
+    layer_bytes[layer_of(path)] += int(np.prod(leaf.shape)) * np.dtype(
+        leaf.dtype).itemsize
+    return PoolArray(jax.ShapeDtypeStruct((1,), np.int32), pool_id=-1,
+                     shape=leaf.shape, dtype=leaf.dtype, sharding=sharding,
+                     tier=Tier(tier_of(path)), path=path,
+                     local_handles=((device.id, -1),))
+
+  args = tuple(jax.tree_util.tree_map_with_path(virtual, tree)
+               for tree in state) + rest
+  step = OffloadedStep(fn, None, schedule_lib.FixedSchedule(0))
+  return step._analyze(args, step._prepare(args)).segments, dict(layer_bytes)
 
 
 def cxl_offload(fn: Callable | None = None, *,
