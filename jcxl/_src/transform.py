@@ -33,6 +33,7 @@ from jcxl._src import jax_compat
 from jcxl._src.program import Lit
 from jcxl._src.program import Node
 from jcxl._src.program import Program
+from jcxl._src.program import group_of
 from jcxl._src.program import layer_of
 from jcxl._src.program import reorder_by_layer
 from jcxl._src import profile as profile_lib
@@ -143,15 +144,19 @@ class _Planner:
         prev = i
       clusters.append(_Cluster(key, start, prev))
     clusters.sort(key=lambda c: (c.first, str(paths[c.key])))
-    # Units ("layers" in time): consecutive clusters of one module path.
+    # Units (steps of the fetch order): consecutive clusters of one module
+    # path; a parameter and each of its optimizer moments are units of
+    # their own (so their fetches go one after another), of one layer.
     self.unit_first: list[int] = []
     self.unit_group: list[str] = []
+    self.unit_layer: list[str] = []  # what the schedule plans by
     for c in clusters:
-      group = layer_of(paths[c.key])
+      group = group_of(paths[c.key])
       if (not self.unit_first or self.unit_group[-1] != group
           or c.first - self.unit_first[-1] > _CLUSTER_GAP):
         self.unit_first.append(c.first)
         self.unit_group.append(group)
+        self.unit_layer.append(layer_of(paths[c.key]))
       c.unit = len(self.unit_first) - 1
     self.unit_last = [0] * len(self.unit_first)
     for c in clusters:
@@ -198,7 +203,7 @@ class _Planner:
     for u, first in enumerate(self.unit_first):
       if u in unit_bytes:
         starts.append((first, 0, [costmodel.Segment(
-            self.unit_group[u], unit_bytes[u], unit_tier[u], 0.0,
+            self.unit_layer[u], unit_bytes[u], unit_tier[u], 0.0,
             sequence=0, priority=u, elements=unit_elems[u])]))
     for i, node in enumerate(self.program.nodes):
       loop = self._loop_weights(i, node)
@@ -251,6 +256,38 @@ class _Planner:
     return None
 
 
+def _unordered_reads(program: Program, planner: _Planner,
+                     stores: dict[Any, PoolArray]) -> dict[Any, list]:
+  """Per stored output: the fetches of the value it overwrites that its
+  own computation does not depend on (an optimizer schedule reading the
+  step count, say). Only those need an explicit order: the others are
+  done before the new value exists."""
+  old = {id(v): k for k, v in planner.resident.items()}
+  overwritten = {old[id(t)] for t in stores.values()}
+  clusters = [c for c in planner.clusters if c.key in overwritten]
+  bit = {id(c): 1 << j for j, c in enumerate(clusters)}
+  depends: dict[Any, int] = {}  # value -> bits of the reads it needs
+  for i, node in enumerate(program.nodes):
+    needs = 0
+    for atom in node.ins:
+      key = program.resolve(atom)
+      if isinstance(key, Lit):
+        continue
+      needs |= depends.get(key, 0)
+      c = planner.cluster_at.get((key, i))
+      if c is not None:
+        needs |= bit.get(id(c), 0)
+    for key in node.outs:
+      depends[key] = needs
+  out = {}
+  for key, target in stores.items():
+    missing = [c for c in clusters if c.key == old[id(target)]
+               and not depends.get(key, 0) & bit[id(c)]]
+    if missing:
+      out[key] = missing
+  return out
+
+
 def _mark(value: jax.Array) -> jax.Array:
   """A scalar that exists once `value` does (a cheap dependency on it)."""
   return value.reshape(-1)[0] if value.size else jax.numpy.zeros(())
@@ -291,10 +328,10 @@ class _Interpreter:
     self.stores_in_flight: collections.deque = collections.deque()
     self.stored: set = set()
     self.last: Any = None  # the latest output: where the step has got to
-    old = {id(v): k for k, v in planner.resident.items()}
-    self.overwritten_by = {key: old[id(t)] for key, t in stores.items()}
-    self.overwritten = set(self.overwritten_by.values())
-    self.reads: dict[Any, list] = collections.defaultdict(list)
+    # Reads a store must wait for that nothing else orders before it.
+    self.unordered = _unordered_reads(program, planner, stores)
+    self.marked = {id(c) for cs in self.unordered.values() for c in cs}
+    self.marks: dict[int, Any] = {}
 
   def _start(self, c: _Cluster, after: Any) -> None:
     target = self.planner.resident[c.key]
@@ -320,8 +357,8 @@ class _Interpreter:
         # Waited for where the step needs it (after what came before), so
         # XLA cannot hoist the wait onto another thread ahead of time.
         self.fetched[id(c)] = fetch_done(pending, after=self.last)
-        if key in self.overwritten:  # its store must wait for this read
-          self.reads[key].append(_mark(self.fetched[id(c)]))
+        if id(c) in self.marked:  # a store must wait for this read
+          self.marks[id(c)] = _mark(self.fetched[id(c)])
       else:
         sharding = target.sharding.with_memory_kind("device")
         self.fetched[id(c)] = jax.device_put(self.env[key], sharding)
@@ -394,7 +431,8 @@ class _Interpreter:
     value = self.read_output(key)
     # Not before every read of the value it overwrites (XLA would
     # otherwise be free to run the store first).
-    reads = self.reads.get(self.overwritten_by.get(key), [])
+    reads = [self.marks[id(c)] for c in self.unordered.get(key, ())
+             if id(c) in self.marks]
     self.stores_in_flight.append(
         store_start(self.stores[key], value, after=reads or None))
     while len(self.stores_in_flight) > costmodel.STORES_IN_FLIGHT:
