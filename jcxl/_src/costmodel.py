@@ -21,9 +21,10 @@ from collections.abc import Mapping, Sequence
 
 from jcxl._src.units import format_bytes
 
-# What the planner may choose per layer.
+# What the planner may choose per layer. Chunks below the pool's default
+# (4 MiB) measured slower here (per-chunk costs the model does not have).
 MAX_PREFETCH = 8
-MIN_CHUNK = 256 << 10
+MIN_CHUNK = 4 << 20
 MAX_CHUNK = 64 << 20
 # A deeper prefetch must buy at least this fraction of the step time.
 _MIN_GAIN = 0.002
@@ -224,10 +225,10 @@ class Choice:
 
 def choose_chunks(segments: Sequence[Segment],
                   links: Mapping[str, Link]) -> dict[str, int]:
-  """Per layer, a chunk short enough that an urgent fetch queued behind one
-  of this layer's chunks waits at most a quarter of the shortest compute
-  segment (chunks are never preempted); 0 where the whole fetch already is.
-  """
+  """Per layer, the largest chunk (at least MIN_CHUNK) behind which an
+  urgent fetch waits at most a quarter of the shortest compute segment
+  (chunks are never preempted); 0 (the pool's default) where the whole
+  fetch is that short already."""
   computes = [s.compute_s for s in segments if s.compute_s > 0]
   if not computes:
     return {}
