@@ -8,7 +8,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # that rebuilds after an edit take seconds, without build isolation.
 BUILD_REQS := "scikit-build-core>=0.10" "nanobind>=2.4" cmake ninja jax jaxlib
 
-.PHONY: setup demo test test-python test-cpp clean
+.PHONY: setup train demo test test-python test-cpp clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ $(VENV)/.build-reqs: | $(PY)
 
 setup: $(VENV)/.build-reqs
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]"
+
+# The main job: a byte-level GPT trained with its state in the (emulated)
+# cxl tier under a device budget smaller than the state.
+train: setup
+	$(PY) -m experiments.train
 
 demo: setup
 	$(PY) -m experiments.pool_bandwidth

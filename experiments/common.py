@@ -13,6 +13,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from jcxl._src import bench
+
 _HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 
 
@@ -86,3 +88,24 @@ def write_json(path: str, value: Any) -> None:
     json.dump(value, f, indent=2)
     f.write("\n")
   os.replace(tmp, path)  # a reader never sees half a file
+
+
+def check_disk_backed(path: str, *, flag: str) -> None:
+  """Raises ValueError (naming `flag`) when `path`, or the directory it
+  would be created in, is on a memory filesystem: no O_DIRECT there, and an
+  nvme tier on it would measure DRAM."""
+  existing = os.path.abspath(path)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  fs_type = bench.describe_disk(existing).fs_type
+  if fs_type in ("tmpfs", "ramfs"):
+    raise ValueError(
+        f"{flag} {path!r} is on {fs_type}, which is memory and has no "
+        "O_DIRECT; pass a directory on a real disk")
+
+
+def check_json_out(path: str | None, example: str) -> None:
+  """Raises ValueError when --json_out names a directory."""
+  if path is not None and os.path.isdir(path):
+    raise ValueError(f"--json_out {path!r} is a directory; pass a file path "
+                     f"such as {example}")

@@ -221,15 +221,21 @@ def run_case(case: Case, bandwidth: float, config: Config) -> dict:
   return {"rows": rows, "label": label, "stall": stall}
 
 
+def _tuned_dap(case: Case, pool: jcxl.Pool, config: Config) -> tuple:
+  """A DAP step on freshly placed state, run until its plan settles."""
+  state = case.place(pool)
+  step = jcxl.cxl_offload(case.step_fn, schedule="dap",
+                          device_budget=config.device_budget)
+  _, state, _ = _tune(step, state, case.batch, config.tune_steps)
+  return step, state
+
+
 def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
   """DAP through a mid-run link slowdown, against DAP tuned on the slow link."""
   fast = jcxl.LinkModel(bandwidth, config.latency_s)
   slow = jcxl.LinkModel(bandwidth / config.slowdown, config.latency_s)
   with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=fast) as pool:
-    state = case.place(pool)
-    step = jcxl.cxl_offload(case.step_fn, schedule="dap",
-                            device_budget=config.device_budget)
-    _, state, _ = _tune(step, state, case.batch, config.tune_steps)
+    step, state = _tuned_dap(case, pool, config)
     before, state = _timed(step, state, case.batch, config.steps)
     pool.set_link("cxl", slow)
     seen = len(step.tuner.history)
@@ -242,10 +248,7 @@ def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
         break
     after, state = _timed(step, state, case.batch, config.steps)
   with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=slow) as pool:
-    state = case.place(pool)
-    fresh_step = jcxl.cxl_offload(case.step_fn, schedule="dap",
-                                  device_budget=config.device_budget)
-    _, state, _ = _tune(fresh_step, state, case.batch, config.tune_steps)
+    fresh_step, state = _tuned_dap(case, pool, config)
     fresh, _ = _timed(fresh_step, state, case.batch, config.steps)
   return dict(model=case.name, fast_gbps=bandwidth / 1e9,
               slow_gbps=bandwidth / config.slowdown / 1e9,

@@ -221,9 +221,7 @@ class Config:
     if self.family == "depth" and self.max_layers < self.model.n_layer:
       raise ValueError(f"--max_layers must be at least the model's depth "
                        f"({self.model.n_layer}), but got {self.max_layers}")
-    if self.json_out is not None and os.path.isdir(self.json_out):
-      raise ValueError(f"--json_out {self.json_out!r} is a directory; pass a "
-                       "file path such as runs/max_model.json")
+    common.check_json_out(self.json_out, "runs/max_model.json")
 
 
 def config_from_flags() -> Config:

@@ -105,20 +105,11 @@ class Config:
                        f"{','.join(t.value for t in self.tiers)}")
     if Tier.NVME in self.tiers:
       _check_nvme_dir(self.nvme_dir)
-    if self.json_out is not None and os.path.isdir(self.json_out):
-      raise ValueError(f"--json_out {self.json_out!r} is a directory; pass a "
-                       "file path such as runs/pool_bandwidth.json")
+    common.check_json_out(self.json_out, "runs/pool_bandwidth.json")
 
 
 def _check_nvme_dir(path: str) -> None:
-  existing = os.path.abspath(path)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  fs_type = bench.describe_disk(existing).fs_type
-  if fs_type in ("tmpfs", "ramfs"):
-    raise ValueError(
-        f"--nvme_dir {path!r} is on {fs_type}, which is memory and has no "
-        "O_DIRECT; pass a directory on a real disk, e.g. ./build/nvme-bench")
+  common.check_disk_backed(path, flag="--nvme_dir")
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:

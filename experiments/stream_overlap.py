@@ -156,9 +156,7 @@ class Config:
           f"--prefetch distances must be >= 1 and < --layers "
           f"({self.layers}), but got {','.join(map(str, bad))}; the "
           "synchronous chain (0) is always measured")
-    if self.json_out is not None and os.path.isdir(self.json_out):
-      raise ValueError(f"--json_out {self.json_out!r} is a directory; pass a "
-                       "file path such as runs/stream_overlap.json")
+    common.check_json_out(self.json_out, "runs/stream_overlap.json")
 
 
 def config_from_flags() -> Config:

@@ -199,7 +199,8 @@ class Config:
     if self.nvme_dir is not None:
       experiments_common.check_directory(self.nvme_dir, flag="--nvme_dir")
     if self.tier == "nvme" and self.mode == "cxl":
-      _check_not_memory(self.nvme_dir or self.run_dir)
+      experiments_common.check_disk_backed(self.nvme_dir or self.run_dir,
+                                           flag="--nvme_dir")
     if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
       raise ValueError(f"--run_dir {self.run_dir!r} is a file; pass a "
                        "directory")
@@ -228,17 +229,6 @@ class Config:
     out["link"] = {"bandwidth_bytes_per_s": self.link.bandwidth,
                    "latency_s": self.link.latency_s}
     return out
-
-
-def _check_not_memory(path: str) -> None:
-  existing = os.path.abspath(path)
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  fs_type = bench.describe_disk(existing).fs_type
-  if fs_type in ("tmpfs", "ramfs"):
-    raise ValueError(
-        f"--nvme_dir {path!r} is on {fs_type}, which has no O_DIRECT; pass a "
-        "directory on a real disk")
 
 
 def config_from_flags() -> Config:

@@ -37,12 +37,15 @@ class TunerOptions:
     check_every: once converged, measure one step in this many.
     drift: relative change of a measured step time or link bandwidth,
       against what the plan was made for, that triggers a re-plan.
+    min_gain: fraction of the step a re-plan must be predicted to save
+      for the tuner to switch plans (and recompile).
   """
   warmup_steps: int = 1
   measure_steps: int = 3
   max_replans: int = 6
   check_every: int = 8
   drift: float = 0.15
+  min_gain: float = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +106,21 @@ class Tuner:
           dict(self.schedule.chunk_bytes))
     return self.schedule
 
-  def _replan(self, what: str, measured_s: float | None) -> bool:
+  def _replan(self, what: str, measured_s: float | None,
+              over_budget: bool = False) -> bool:
     start = dict(self.schedule.prefetch) if self.schedule else None
     choice = costmodel.plan(self._segments, self._links,
                             prefetch_budget=self.prefetch_budget, start=start)
     schedule = LayerSchedule.of(choice.prefetch, choice.chunk_bytes,
                                 name="dap")
+    if self.schedule is not None and not over_budget:
+      # A new plan must promise enough to pay for its recompile: measured
+      # noise alone would otherwise move the plan back and forth.
+      current = self.predict(dict(self.schedule.prefetch))
+      if choice.prediction.step_s > current.step_s * (
+          1 - self.options.min_gain):
+        schedule, choice = self.schedule, dataclasses.replace(
+            choice, prediction=current)
     changed = schedule != self.schedule
     if changed and self.schedule is not None:
       if self.replans >= self.options.max_replans:
@@ -135,7 +147,7 @@ class Tuner:
     if self.budget is None or need_bytes <= self.budget:
       return False
     before = self.schedule
-    self._replan("budget", measured_s=None)
+    self._replan("budget", measured_s=None, over_budget=True)
     return self.schedule != before
 
   # ----------------------------------------------------------- measuring
