@@ -101,13 +101,11 @@ def reorder_by_layer(program: Program, output_layers: list[str | None],
     for key in node.outs:
       producer[key] = n
 
-  def inputs_of(n):
-    out = []
-    for atom in program.nodes[n].ins:
-      key = program.resolve(atom)
-      if not isinstance(key, Lit) and key in producer:
-        out.append(producer[key])
-    return out
+  inputs = []
+  for node in program.nodes:
+    keys = (program.resolve(a) for a in node.ins)
+    inputs.append([producer[k] for k in keys
+                   if not isinstance(k, Lit) and k in producer])
 
   # Work on the batch (forward, backward, a global gradient norm) orders the
   # layers; work on state alone (a step count, a schedule) can run anytime.
@@ -120,35 +118,35 @@ def reorder_by_layer(program: Program, output_layers: list[str | None],
             (k not in producer and k not in state_inputs and k[0] == "in"))
         for k in keys))
 
-  layers_using = collections.defaultdict(set)  # node -> layers it feeds
-  ancestors_of = {}
+  # Which layers' outputs each node feeds, as a bitset: one pass from the
+  # outputs back (nodes are in topological order).
+  bit_of = {}
+  feeds = [0] * len(program.nodes)
+  final = {}  # output index -> its producer
   for j, key in enumerate(program.outputs):
     if isinstance(key, Lit) or key not in producer:
       continue
-    seen, stack = set(), [producer[key]]
-    while stack:
-      n = stack.pop()
-      if n in seen:
-        continue
-      seen.add(n)
-      stack.extend(inputs_of(n))
-    ancestors_of[j] = seen
-    for n in seen:
-      layers_using[n].add(output_layers[j])
+    final[j] = producer[key]
+    layer = bit_of.setdefault(output_layers[j], 1 << len(bit_of))
+    feeds[producer[key]] |= layer
+  for n in range(len(program.nodes) - 1, -1, -1):
+    if feeds[n]:
+      for m in inputs[n]:
+        feeds[m] |= feeds[n]
 
   # A layer's outputs go together, once all the work they share with other
   # layers is done.
   ready = collections.defaultdict(lambda: -1)
-  for j, ancestors in ancestors_of.items():
-    shared = [n for n in ancestors
-              if on_data[n] and layers_using[n] != {output_layers[j]}]
-    ready[output_layers[j]] = max(ready[output_layers[j]],
-                                  max(shared, default=-1))
+  for n in range(len(program.nodes)):
+    if on_data[n] and feeds[n] and feeds[n] & (feeds[n] - 1):  # shared
+      for layer, bit in bit_of.items():
+        if feeds[n] & bit:
+          ready[layer] = n
   rank = lambda j: (ready[output_layers[j]], j)
 
   order, emitted = [], set()
-  for j in sorted(ancestors_of, key=rank):
-    stack = [(producer[program.outputs[j]], False)]
+  for j in sorted(final, key=rank):
+    stack = [(final[j], False)]
     while stack:  # iterative post-order, inputs in program order
       n, expanded = stack.pop()
       if n in emitted:
@@ -158,7 +156,7 @@ def reorder_by_layer(program: Program, output_layers: list[str | None],
         order.append(n)
         continue
       stack.append((n, True))
-      for m in sorted(set(inputs_of(n)), reverse=True):
+      for m in sorted(set(inputs[n]), reverse=True):
         if m not in emitted:
           stack.append((m, False))
   order += [n for n in range(len(program.nodes)) if n not in emitted]
