@@ -39,7 +39,6 @@ import jax
 import optax
 
 import jcxl
-from jcxl._src import costmodel
 from jcxl._src.units import parse_bandwidth
 from jcxl._src.units import parse_bytes
 from experiments import common as exp_common

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Sequence

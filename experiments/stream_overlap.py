@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -38,8 +38,8 @@ class DapExperimentTest:
                                                      tmp_path):
     out = tmp_path / "run"
     results = run_program("--models=wide_narrow", "--bandwidths=4GB/s",
-                          "--schedules=sync,fixed:1,dap", "--steps=2",
-                          "--tune_steps=12", "--slowdown=2",
+                          "--schedules=sync,fixed:1,dap", "--steps=1",
+                          "--tune_steps=8", "--slowdown=2",
                           f"--run_dir={out}")
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["schedule"] for r in rows] == ["dap", "sync", "fixed:1"]
