@@ -9,7 +9,9 @@ cost model's predicted step time (from what the DAP run measured):
 * ``sync``: each layer fetched right before it runs;
 * ``fixed:k``: every layer k layers ahead;
 * ``bucket``: DeepSpeed ZeRO-3's prefetch bucket (5e7 elements);
-* ``dap``: tuned online (the steps it takes to converge are not timed).
+* ``dap``: tuned online (the steps it takes to converge are not timed);
+* ``dap plan, unmeasured``: DAP's tuned plan run as a fixed plan, so that
+  dap against it is what DAP's measuring costs.
 
 Then, on the first model at the middle bandwidth, the link slows by
 --slowdown mid-run: the steps DAP takes to re-plan are counted and its step
@@ -60,6 +62,8 @@ MODELS = {
 }
 BATCHES = {"gpt2_bigvocab": 8, "wide_narrow": 256}
 SCHEDULES = ("sync", "fixed:1", "fixed:2", "fixed:3", "bucket", "dap")
+# DAP's tuned plan run as a fixed plan: DAP's measuring is what differs.
+UNMEASURED = "dap plan, unmeasured"
 
 _MODELS = flags.DEFINE_list("models", list(MODELS), "models to run",
                             flag_values=FLAGS)
@@ -194,6 +198,10 @@ def run_case(case: Case, bandwidth: float, config: Config) -> dict:
     tuned, state, profiles = _tune(step, state, case.batch,
                                    config.tune_steps)
     runs["dap"][1:] = [state, tuned]
+    # The tuned plan again, without the tuner: what staying on costs.
+    runs[UNMEASURED] = [jcxl.cxl_offload(
+        case.step_fn, schedule=step.plan.as_schedule(),
+        device_budget=config.device_budget), case.place(pool), 0]
     for run_ in runs.values():  # compile, warm up
       *run_[1], _ = run_[0](*run_[1], case.batch)
     times = {s: [] for s in runs}
@@ -270,11 +278,15 @@ def _markdown(rows: list[dict], labels: dict, slowdown: dict | None) -> str:
     fixed = [r for r in group if r["schedule"].startswith("fixed")]
     dap = next(r for r in group if r["schedule"] == "dap")
     best = min(fixed, key=lambda r: r["step_ms"]) if fixed else None
+    plain = next((r for r in group if r["schedule"] == UNMEASURED), None)
     if best:
       out.append(f"- {model} @ {bw:g} GB/s: dap {dap['step_ms']:.2f} ms, "
                  f"best fixed {best['schedule']} {best['step_ms']:.2f} ms "
                  f"(ratio {dap['step_ms'] / best['step_ms']:.3f}); dap's "
-                 f"predicted/measured {dap['predicted_ms'] / dap['step_ms']:.3f}")
+                 f"predicted/measured {dap['predicted_ms'] / dap['step_ms']:.3f}"
+                 + (f"; dap / its plan unmeasured "
+                    f"{dap['step_ms'] / plain['step_ms']:.3f}" if plain else
+                    ""))
   if slowdown:
     out += ["", f"Link slowdown ({slowdown['fast_gbps']:g} -> "
             f"{slowdown['slow_gbps']:g} GB/s) on {slowdown['model']}: re-planned "

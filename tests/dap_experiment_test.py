@@ -42,7 +42,8 @@ class DapExperimentTest:
                           "--tune_steps=8", "--slowdown=2",
                           f"--run_dir={out}")
     rows = list(csv.DictReader(open(out / "results.csv")))
-    assert [r["schedule"] for r in rows] == ["dap", "sync", "fixed:1"]
+    assert [r["schedule"] for r in rows] == ["dap", "sync", "fixed:1",
+                                             dap.UNMEASURED]
     assert all(float(r["step_ms"]) > 0 and float(r["predicted_ms"]) > 0
                for r in rows)
     assert all(r["within_budget"] == "True" for r in rows)

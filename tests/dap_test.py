@@ -286,3 +286,29 @@ class DapStepTest:
     with pytest.raises(MemoryError, match="over by"):
       step(p, s, jnp.ones((8, 16)))
     assert all(k == 0 for _, k in step.tuner.schedule.prefetch)
+
+
+def profile_of(step_s):
+  return profile_lib.StepProfile(step_s=step_s, layers=(),
+                                 segment_compute_s=None, bytes_by_tier={},
+                                 bandwidth_by_tier={})
+
+
+class TunerTest:
+
+  def test_reverts_to_the_fastest_measured_plan(self):
+    segments = [seg("a", MiB, 0.05), seg("b", 40 * MiB, 0.001)]
+    start = schedule_lib.LayerSchedule.of({"a": 0, "b": 0}, name="sync")
+    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=1))
+    assert tuner.resolve(segments, LINK) == start and tuner.version == 0
+    # Measured as predicted: the model's deeper prefetch for b is adopted.
+    assert tuner.step_done(profile_of(0.093))
+    assert dict(tuner.schedule.prefetch)["b"] >= 1 and tuner.version == 1
+    # ... but the device ran it slower: back to the first plan, whose
+    # compiled step (version 0) is reused.
+    assert tuner.wants_measurement()
+    assert tuner.step_done(profile_of(0.2))
+    assert tuner.schedule == start and tuner.version == 0
+    assert tuner.converged and tuner.history[-1].what == "revert"
+    assert tuner.replans == 1

@@ -489,7 +489,7 @@ class OffloadedStep:
   def _lower(self, args: tuple[Any, ...], prep: _Prepared) -> Any:
     return jax.jit(lambda *a: self._run(a, prep)).lower(*args)
 
-  def _compile(self, args: tuple[Any, ...]) -> tuple[Any, Any, list]:
+  def _compile(self, args: tuple[Any, ...]) -> tuple[Any, Any, list, Any]:
     prep = self._prepare(args)
     compiled = self._lower(args, prep).compile()
     self.compiles += 1
@@ -505,7 +505,7 @@ class OffloadedStep:
     sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
     sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
                else None for i in sources]
-    return compiled, prep.out_tree, sources
+    return compiled, prep.out_tree, sources, self.plan
 
   def _cache_key(self, args: tuple[Any, ...]) -> Any:
     return self._signature(args), self.tuner.version if self.tuner else 0
@@ -518,7 +518,8 @@ class OffloadedStep:
       entry = self._compile(args)
       # Keyed after compiling: a DAP budget re-plan moves the plan on.
       self._compiled[self._cache_key(args)] = entry
-    compiled, out_tree, sources = self._compiled[self._cache_key(args)]
+    compiled, out_tree, sources, self.plan = self._compiled[
+        self._cache_key(args)]
     measure = self.tuner is not None and self.tuner.wants_measurement()
     if measure:
       jax.block_until_ready(self._last_results)

@@ -52,7 +52,7 @@ class TunerOptions:
 class TunerEvent:
   """One thing the tuner did, for its history."""
   step: int
-  what: str  # 'plan', 'replan', 'converged', 'drift', 'frozen', 'budget'
+  what: str  # plan, replan, converged, drift, revert, frozen, budget
   predicted_s: float | None
   measured_s: float | None
   detail: str = ""
@@ -66,7 +66,7 @@ class Tuner:
     self.options = options
     self.budget = budget
     self.schedule = start
-    self.version = 0        # bumps on every plan change (a recompile)
+    self.version = 0  # the compiled step's cache key: one per plan tried
     self.replans = 0
     self.history: list[TunerEvent] = []
     self.prediction: costmodel.Prediction | None = None
@@ -80,6 +80,11 @@ class Tuner:
     self._baseline_s: float | None = None  # measured when it converged
     self._steps = 0
     self._since_check = 0
+    # Per plan tried: its compile-cache version and the step time measured
+    # with it, so that a plan the cost model liked but the device did not
+    # is dropped for the best one measured (without a recompile).
+    self._versions: dict[LayerSchedule, int] = {}
+    self._measured: dict[LayerSchedule, float] = {}
 
   # ------------------------------------------------------------ planning
 
@@ -100,10 +105,10 @@ class Tuner:
       self._segments, self._links = list(segments), dict(links)
     if self.schedule is None:
       self._replan("plan", measured_s=None)
-    elif self.prediction is None:
-      self.prediction = costmodel.simulate(
-          self._segments, dict(self.schedule.prefetch), self._links,
-          dict(self.schedule.chunk_bytes))
+    elif self.prediction is None:  # a saved plan to start from
+      self.prediction = self.predict(dict(self.schedule.prefetch))
+      self.version = self._versions.setdefault(self.schedule,
+                                               len(self._versions))
     return self.schedule
 
   def _replan(self, what: str, measured_s: float | None,
@@ -129,7 +134,7 @@ class Tuner:
         self._state = "steady"
         return False
       self.replans += 1
-      self.version += 1
+    self.version = self._versions.setdefault(schedule, len(self._versions))
     self.schedule = schedule
     self.prediction = choice.prediction
     self.reasons = choice.reasons
@@ -180,11 +185,17 @@ class Tuner:
                       f"{t} {b / 1e9:.2f} GB/s"
                       for t, b in profile.bandwidth_by_tier.items()))
       self._window = []
+      self._measured.clear()  # times under the old conditions
     self._state = "measure"
     self._window.append(profile)
     if len(self._window) < self.options.measure_steps:
       return False
     measured = statistics.median(p.step_s for p in self._window)
+    self._measured[self.schedule] = measured
+    best = min(self._measured, key=self._measured.get)
+    if self._measured[best] * (1 + self.options.min_gain) < measured:
+      self._revert(best, measured)
+      return True
     changed = self._learn_and_replan(measured)
     self._window = []
     if not changed:
@@ -202,6 +213,18 @@ class Tuner:
         return True
     base = self._baseline_s
     return bool(base) and abs(profile.step_s - base) > tolerance * base
+
+  def _revert(self, best: LayerSchedule, measured_s: float) -> None:
+    """Back to the fastest plan measured (compiled already)."""
+    self._event("revert", measured_s,
+                f"this plan measured {measured_s * 1e3:.2f} ms, an earlier "
+                f"one {self._measured[best] * 1e3:.2f} ms: back to it")
+    self.schedule = best
+    self.version = self._versions[best]
+    self.prediction = self.predict(dict(best.prefetch))
+    self._window = []
+    self._state = "steady"
+    self._baseline_s = self._measured[best]
 
   def _learn_and_replan(self, measured_s: float) -> bool:
     window = self._window
