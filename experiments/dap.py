@@ -175,12 +175,6 @@ def _tune(step, state, batch, limit) -> tuple[int, Any, list]:
   return limit, state, profiles
 
 
-def _device_need(step, state, batch) -> int:
-  m = step.memory_analysis(*state, batch)
-  return (m.temp_size_in_bytes + m.argument_size_in_bytes +
-          m.output_size_in_bytes - m.alias_size_in_bytes)
-
-
 def run_case(case: Case, bandwidth: float, config: Config) -> dict:
   """Every schedule on one model and link, timed in interleaved rounds (one
   step of each schedule per round) so that a shared machine's changing load
@@ -213,7 +207,7 @@ def run_case(case: Case, bandwidth: float, config: Config) -> dict:
     rows = []
     for schedule, (step, state, tuned) in runs.items():
       median = statistics.median(times[schedule])
-      need = _device_need(step, state, case.batch)
+      need = step.device_need(*state, case.batch)
       prefetch = {l.name: l.prefetch for l in step.plan.layers}
       predicted = tuner.predict(prefetch).step_s
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,

@@ -57,6 +57,7 @@ import jcxl
 from experiments import common as experiments_common
 from experiments import plots
 from jcxl._src import bench
+from jcxl._src.transform import device_need
 from jcxl._src.units import format_bytes
 from jcxl._src.units import parse_bytes
 from models import common
@@ -303,12 +304,6 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation
   return train_step
 
 
-def _device_need(analysis: Any) -> int:
-  """Peak device bytes of a compiled step, as cxl_offload's budget check."""
-  return int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes +
-             analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
-
-
 def _delete(tree: Any) -> None:
   for leaf in jax.tree.leaves(tree):
     if isinstance(leaf, jax.Array):
@@ -390,7 +385,7 @@ class _Offloaded:
       self._params, self._opt_state, loss = self.step(
           self._params, self._opt_state, batch)
     if self.need is None:
-      self.need = _device_need(self.step.memory_analysis(
+      self.need = device_need(self.step.memory_analysis(
           self._params, self._opt_state, batch))
     return loss
 
@@ -404,7 +399,7 @@ class _Offloaded:
         _, loss = self.eval_step(self._params, batch)
       losses.append(loss)
     if self.eval_need is None:
-      self.eval_need = _device_need(self.eval_step.memory_analysis(
+      self.eval_need = device_need(self.eval_step.memory_analysis(
           self._params, batches[0]))
     value = float(np.mean([float(l) for l in losses]))
     # Drains the eval fetches, so that the train step's next report holds
@@ -489,7 +484,7 @@ def run(config: Config) -> dict[str, Any]:
                           (params, opt_state, eval_set[0]))
   resident = jax.jit(make_train_step(loss_fn, tx), donate_argnums=(0, 1)
                      ).lower(*abstract).compile()
-  resident_need = _device_need(resident.memory_analysis())
+  resident_need = device_need(resident.memory_analysis())
   with contextlib.ExitStack() as stack:
     if config.mode == "cxl":
       pool = stack.enter_context(_pool_for(config, state_bytes))

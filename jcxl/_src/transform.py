@@ -495,7 +495,8 @@ class OffloadedStep:
     self.compiles += 1
     # A DAP plan learns the step's memory without prefetch from its first
     # compile; a plan over the budget is re-planned once, within it.
-    if self.tuner and self.tuner.calibrate(_device_need(compiled)):
+    if self.tuner and self.tuner.calibrate(
+        device_need(compiled.memory_analysis())):
       compiled = self._lower(args, prep).compile()
       self.compiles += 1
     self._check_budget(compiled)
@@ -542,7 +543,7 @@ class OffloadedStep:
   def _check_budget(self, compiled: Any) -> None:
     if self._budget is None:
       return
-    need = _device_need(compiled)
+    need = device_need(compiled.memory_analysis())
     if need > self._budget:
       m = compiled.memory_analysis()
       raise MemoryError(
@@ -554,6 +555,10 @@ class OffloadedStep:
           f"{format_bytes(need - self._budget)}. A smaller prefetch distance "
           f"(schedule='fixed:k', now '{self._schedule}'), a smaller batch, "
           "or jax.checkpoint (remat) on the layers would help")
+
+  def device_need(self, *args) -> int:
+    """Device bytes the compiled step needs for these arguments."""
+    return device_need(self.memory_analysis(*args))
 
   def memory_analysis(self, *args) -> Any:
     """The compiled step's ``memory_analysis()`` for these arguments."""
@@ -588,11 +593,13 @@ class OffloadedStep:
             if name in moved]
 
 
-def _device_need(compiled: Any) -> int:
-  """Device bytes a compiled step needs (what the budget is checked on)."""
-  m = compiled.memory_analysis()
-  return (m.temp_size_in_bytes + m.argument_size_in_bytes +
-          m.output_size_in_bytes - m.alias_size_in_bytes)
+def device_need(analysis: Any) -> int:
+  """Device bytes a compiled step needs, from its ``memory_analysis()``:
+  temporaries, arguments and outputs, less what outputs alias (what
+  `device_budget` is checked against)."""
+  m = analysis
+  return int(m.temp_size_in_bytes + m.argument_size_in_bytes +
+             m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
 def _tier_links(resident: Any) -> dict[str, costmodel.Link]:
