@@ -12,6 +12,8 @@ from typing import Any
 from absl import app
 from absl import flags
 from absl import logging
+import jax
+import optax
 
 from jcxl._src import bench
 
@@ -109,3 +111,14 @@ def check_json_out(path: str | None, example: str) -> None:
   if path is not None and os.path.isdir(path):
     raise ValueError(f"--json_out {path!r} is a directory; pass a file path "
                      f"such as {example}")
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation
+                    ) -> Callable:
+  """``step(params, opt_state, batch) -> (params, opt_state, loss)``: the
+  plain train step every experiment offloads (or runs resident)."""
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return train_step

@@ -138,14 +138,8 @@ class Case:
     self.tx = optax.adamw(1e-3)
     family = gpt2 if name.startswith("gpt2") else mlp
     self.batch = family.example_batch(config, batch_size=BATCHES[name])
-    loss_fn = family.make_loss(config)
-    tx = self.tx
-
-    def train_step(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-    self.step_fn = train_step
+    self.step_fn = exp_common.make_train_step(family.make_loss(config),
+                                              self.tx)
 
   def place(self, pool):
     return (jcxl.place(self.params, "cxl", pool=pool),

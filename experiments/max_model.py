@@ -312,15 +312,7 @@ def sizes(model: gpt2.GPT2Config) -> Sizes:
 
 
 def train_step(model: gpt2.GPT2Config) -> Callable[..., Any]:
-  loss_fn = gpt2.make_loss(model)
-  tx = _optimizer()
-
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return step
+  return common.make_train_step(gpt2.make_loss(model), _optimizer())
 
 
 def model_name(model: gpt2.GPT2Config) -> str:

@@ -186,14 +186,8 @@ def abstract_model(family: str, model_config: Any, batch: int,
   data = jax.eval_shape(lambda: module.example_batch(
       model_config, batch_size=batch, seq_len=seq_len))
   loss_fn = module.make_loss(model_config)
-
-  def train_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  segments, layer_bytes = step_timeline(train_step, (params, opt_state),
-                                        data)
+  segments, layer_bytes = step_timeline(
+      exp_common.make_train_step(loss_fn, tx), (params, opt_state), data)
   segments = [dataclasses.replace(s, compute_s=s.compute_s * compute_scale)
               for s in segments]
   return Model(model_config, segments, layer_bytes,
@@ -318,13 +312,8 @@ def validate_here(config: Config) -> dict:
   link = jcxl.LinkModel(config.validate_link, config.latency_s)
   params = common.init_params(model_config)
   tx = optax.adamw(1e-4)
-  loss_fn = gpt2.make_loss(model_config)
+  train_step = exp_common.make_train_step(gpt2.make_loss(model_config), tx)
   batch = gpt2.example_batch(model_config, batch_size=8, seq_len=64)
-
-  def train_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
 
   schedule = schedule_lib.LayerSchedule.of(choice.prefetch,
                                            choice.chunk_bytes, name="plan")

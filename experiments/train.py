@@ -294,16 +294,6 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
                      weight_decay=0.01)
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation
-                    ) -> Callable:
-  """``step(params, opt_state, batch) -> (params, opt_state, loss)``."""
-  def train_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return train_step
-
-
 def _delete(tree: Any) -> None:
   for leaf in jax.tree.leaves(tree):
     if isinstance(leaf, jax.Array):
@@ -362,7 +352,7 @@ class _Offloaded:
     self._opt_state = jcxl.place(opt_state, config.tier, pool=pool)
     offload = jcxl.cxl_offload(device_budget=config.device_budget,
                                schedule=config.schedule)
-    self.step = offload(make_train_step(loss_fn, tx))
+    self.step = offload(experiments_common.make_train_step(loss_fn, tx))
 
     def eval_step(params, batch):
       return params, loss_fn(params, batch)  # unchanged: nothing stored
@@ -482,7 +472,7 @@ def run(config: Config) -> dict[str, Any]:
   state_bytes = _nbytes((params, opt_state))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           (params, opt_state, eval_set[0]))
-  resident = jax.jit(make_train_step(loss_fn, tx), donate_argnums=(0, 1)
+  resident = jax.jit(experiments_common.make_train_step(loss_fn, tx), donate_argnums=(0, 1)
                      ).lower(*abstract).compile()
   resident_need = device_need(resident.memory_analysis())
   with contextlib.ExitStack() as stack:

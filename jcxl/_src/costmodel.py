@@ -79,7 +79,6 @@ class Prediction:
   step_s: float
   stall_s: tuple[float, ...]     # per segment: device waiting for its bytes
   peak_prefetch_bytes: int       # most prefetched bytes live at once
-  transfer_s: tuple[float, ...]  # per segment: its fetch, issue to arrival
 
   @property
   def total_stall_s(self) -> float:
@@ -172,8 +171,7 @@ def simulate(segments: Sequence[Segment], prefetch: Mapping[str, int],
     return queues[tier]
 
   t = 0.0
-  issued_time: dict[int, float] = {}
-  stalls, transfers = [], []
+  stalls = []
   stores: list[tuple[str, int]] = []  # in flight, oldest first
   next_store = len(segments)
 
@@ -186,13 +184,11 @@ def simulate(segments: Sequence[Segment], prefetch: Mapping[str, int],
       other = segments[g]
       queue(other.tier).add(g, other.nbytes, other.priority,
                             chunk_bytes.get(other.name, 0), t)
-      issued_time[g] = t
-    stall = transfer = 0.0
+    stall = 0.0
     if seg.nbytes:
       q = queue(seg.tier)
       q.run(target=s)
       stall = max(0.0, q.done[s] - t)
-      transfer = q.done[s] - issued_time[s]
       t = max(t, q.done[s])
     t += seg.compute_s
     for nbytes in seg.stores:
@@ -205,13 +201,11 @@ def simulate(segments: Sequence[Segment], prefetch: Mapping[str, int],
         stall += max(0.0, done - t)
         t = max(t, done)
     stalls.append(stall)
-    transfers.append(transfer)
   end = t
   for tier, rid in stores:
     end = max(end, wait_store(tier, rid))
   return Prediction(step_s=end, stall_s=tuple(stalls),
-                    peak_prefetch_bytes=peak_prefetch_bytes(segments, prefetch),
-                    transfer_s=tuple(transfers))
+                    peak_prefetch_bytes=peak_prefetch_bytes(segments, prefetch))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,10 +258,6 @@ class Tuner:
                               if self.schedule else None)
 
   @property
-  def segments(self) -> list[costmodel.Segment]:
-    return list(self._segments)
-
-  @property
   def links(self) -> dict[str, costmodel.Link]:
     return dict(self._links)
 
