@@ -103,7 +103,7 @@ struct Target {
 ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
                              ffi::Buffer<ffi::S32> handle,
                              ffi::Buffer<ffi::S32> index, bool stacked,
-                             const ffi::AnyBuffer& buffer) {
+                             int64_t block_rows, const ffi::AnyBuffer& buffer) {
   if (handle.element_count() != 1 || index.element_count() != 1) {
     return Unexpected(handler, "expects one handle and one index per device, got " +
                              std::to_string(handle.element_count()) + " and " +
@@ -126,6 +126,32 @@ ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
   }
   std::vector<int64_t> expected = info->shape;
   const int64_t i = index.typed_data()[0];
+  auto dims = buffer.dimensions();
+  std::vector<int64_t> got(dims.begin(), dims.end());
+  if (stacked && block_rows > 0) {
+    // Block i of `block_rows` rows along axis 0; the last block may be
+    // shorter (the buffer says how long).
+    const int64_t rows = got.empty() ? 0 : got[0];
+    if (expected.empty() || got.size() != expected.size() || rows < 1 ||
+        rows > block_rows || rows > expected[0] || i < 0 ||
+        i > (expected[0] - rows) / block_rows) {
+      return Unexpected(handler,
+                  name() + " of shape " + DimsString(info->shape) +
+                      " has no block " + std::to_string(i) + " of " +
+                      std::to_string(rows) + " rows (blocks of " +
+                      std::to_string(block_rows) + " rows)");
+    }
+    expected[0] = rows;
+    if (got != expected) {
+      return Unexpected(handler, name() + " holds shape " +
+                               DimsString(info->shape) +
+                               " but the step's row block has shape " +
+                               DimsString(got));
+    }
+    target.offset = static_cast<uint64_t>(i) * block_rows *
+                    (buffer.size_bytes() / rows);
+    return target;
+  }
   if (stacked) {
     if (expected.empty() || i < 0 || i >= expected[0]) {
       return Unexpected(handler,
@@ -134,8 +160,6 @@ ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
     }
     expected.erase(expected.begin());
   }
-  auto dims = buffer.dimensions();
-  std::vector<int64_t> got(dims.begin(), dims.end());
   if (got != expected) {
     return Unexpected(handler, name() + " holds shape " + DimsString(info->shape) +
                              (stacked ? " (one slice of it)" : "") +
@@ -188,10 +212,10 @@ ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
 ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
                           ffi::Buffer<ffi::S32> index, ffi::AnyBuffer,
                           ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
-                          bool stacked, int32_t priority,
+                          bool stacked, int64_t block_rows, int32_t priority,
                           int64_t chunk_bytes) {
   auto target = Resolve("jcxl_fetch_start", pool_id, handle, index, stacked,
-                        *out);
+                        block_rows, *out);
   if (target.has_error()) return target.error();
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Read(
       target->handle, out->untyped_data(), out->size_bytes(), target->offset,
@@ -206,10 +230,10 @@ ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
 ffi::Error FetchStartIntoImpl(ffi::Buffer<ffi::S32> handle,
                               ffi::Buffer<ffi::S32> index, ffi::AnyBuffer after,
                               ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
-                              int32_t pool_id, bool stacked, int32_t priority,
-                              int64_t chunk_bytes) {
-  return FetchStartImpl(handle, index, after, out, pool_id, stacked, priority,
-                        chunk_bytes);
+                              int32_t pool_id, bool stacked, int64_t block_rows,
+                              int32_t priority, int64_t chunk_bytes) {
+  return FetchStartImpl(handle, index, after, out, pool_id, stacked, block_rows,
+                        priority, chunk_bytes);
 }
 
 ffi::Error FetchDoneImpl(ffi::AnyBuffer in, ffi::AnyBuffer,
@@ -225,10 +249,10 @@ ffi::Error FetchDoneImpl(ffi::AnyBuffer in, ffi::AnyBuffer,
 ffi::Error StoreStartImpl(ffi::Buffer<ffi::S32> handle,
                           ffi::Buffer<ffi::S32> index, ffi::AnyBuffer in,
                           ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
-                          int32_t pool_id, bool stacked, int32_t priority,
-                          int64_t chunk_bytes) {
+                          int32_t pool_id, bool stacked, int64_t block_rows,
+                          int32_t priority, int64_t chunk_bytes) {
   auto target = Resolve("jcxl_store_start", pool_id, handle, index, stacked,
-                        in);
+                        block_rows, in);
   if (target.has_error()) return target.error();
   if (out->untyped_data() != in.untyped_data()) {  // not aliased after all
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
@@ -277,6 +301,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<int32_t>("pool_id")
                                   .Attr<bool>("stacked")
+                                  .Attr<int64_t>("block_rows")
                                   .Attr<int32_t>("priority")
                                   .Attr<int64_t>("chunk_bytes"));
 
@@ -289,6 +314,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStartInto, FetchStartIntoImpl,
                                   .Ret<ffi::AnyBuffer>()         // into, aliased
                                   .Attr<int32_t>("pool_id")
                                   .Attr<bool>("stacked")
+                                  .Attr<int64_t>("block_rows")
                                   .Attr<int32_t>("priority")
                                   .Attr<int64_t>("chunk_bytes"));
 
@@ -314,6 +340,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreStart, StoreStartImpl,
                                   .Ret<ffi::AnyBuffer>()         // out, aliased
                                   .Attr<int32_t>("pool_id")
                                   .Attr<bool>("stacked")
+                                  .Attr<int64_t>("block_rows")
                                   .Attr<int32_t>("priority")
                                   .Attr<int64_t>("chunk_bytes"));
 

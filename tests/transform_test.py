@@ -394,3 +394,130 @@ class ModelZooEqualityTest:
     np.testing.assert_array_equal(loss, ref[2])
     assert_trees_close(jcxl.gather(new_p), ref[0], 0)
     assert_trees_close(jcxl.gather(new_s), ref[1], 0)
+
+
+class TableUpdateTest:
+  """A large table's optimizer update streams a block of rows at a time."""
+
+  @staticmethod
+  def tied_model(vocab):
+    rng = np.random.default_rng(5)
+    params = {"wte": rng.normal(size=(vocab, DIM)).astype(np.float32) * 0.1,
+              "mlp": {"w": rng.normal(size=(DIM, DIM)).astype(np.float32)
+                      * 0.1}}
+
+    def loss_fn(p, tokens):
+      h = jnp.tanh(p["wte"][tokens] @ p["mlp"]["w"])
+      logits = h @ p["wte"].T  # tied head: a dense gradient for the table
+      return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+    return params, loss_fn
+
+  @pytest.mark.parametrize("vocab", [512, 509])  # with a shorter last block
+  @pytest.mark.parametrize("devices", [1, 8])
+  def test_table_update_is_sliced_by_rows(self, pool, vocab, devices,
+                                          monkeypatch):
+    from jcxl._src import sliced_update
+    # Blocks of 16 rows (a shard's row: DIM / devices float32): the table
+    # is 32 blocks, or 31 and a shorter one.
+    monkeypatch.setattr(sliced_update, "ROW_BLOCK_BYTES",
+                        16 * DIM // devices * 4)
+    params, loss_fn = self.tied_model(vocab)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    step = make_step(loss_fn, tx)
+    tokens = np.arange(BATCH * 4, dtype=np.int32).reshape(BATCH, 4) * 7
+    ref_p, ref_s, off_p, off_s = resident_and_placed(
+        params, tx.init(params), devices, pool)
+    offloaded = cxl_offload(step, schedule="fixed:1")
+    loops = {}  # rows per block -> how many outputs its loop stores
+    real = sliced_update._slice_group
+    def spy(*args):
+      stored = real(*args)
+      loops[args[4]] = len(stored)
+      return stored
+    monkeypatch.setattr(sliced_update, "_slice_group", spy)
+    reads = pool.stats()["cxl"].bytes_read
+    for _ in range(3):
+      ref_p, ref_s, ref_loss = jax.jit(step)(ref_p, ref_s, tokens)
+      off_p, off_s, loss = offloaded(off_p, off_s, tokens)
+      np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert loops.get(16) == 3, loops  # the table and its two moments
+    assert pool.stats()["cxl"].bytes_read > reads
+    assert_trees_close(jcxl.gather(off_p), ref_p, 1e-6)
+    assert_trees_close(jcxl.gather(off_s), ref_s, 1e-6)
+
+  def test_table_update_lowers_the_device_need(self, pool, monkeypatch):
+    from jcxl._src import sliced_update
+    params, loss_fn = self.tied_model(4096)
+    tx = optax.adamw(1e-2)
+    step = make_step(loss_fn, tx)
+    tokens = np.zeros((1, 4), np.int32)  # logits far smaller than the table
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    table = params["wte"].nbytes
+
+    def need(block_bytes):
+      monkeypatch.setattr(sliced_update, "ROW_BLOCK_BYTES", block_bytes)
+      return device_need(cxl_offload(step, schedule="fixed:0")
+                         .memory_analysis(p, s, tokens))
+    whole, sliced = need(1 << 30), need(table // 32)
+    # Whole: the table's gradient, parameters, moments and new values at
+    # once. Sliced: the gradient and the table fetched for the forward and
+    # backward pass, plus a few blocks.
+    assert whole >= 4 * table
+    assert sliced <= 2.5 * table
+
+
+class ShardingsTest:
+  """in_shardings / out_shardings behave as jax.jit's."""
+
+  @staticmethod
+  def setup(pool):
+    params, loss_fn = unrolled_model()
+    tx = optax.adamw(1e-2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    _, _, p, s = resident_and_placed(params, tx.init(params), 8, pool)
+
+    def step(params, opt_state, x):
+      per_example = jax.vmap(lambda xi: loss_fn(params, xi[None]))(x)
+      loss, grads = jax.value_and_grad(loss_fn)(params, x)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, per_example
+    x = np.random.default_rng(6).normal(size=(BATCH, DIM)).astype(np.float32)
+    return params, tx, mesh, p, s, step, x
+
+  @pytest.mark.parametrize("out_spec", [P("fsdp"), P()])
+  def test_batch_and_output_laid_out_as_asked(self, pool, out_spec):
+    params, tx, mesh, p, s, step, x = self.setup(pool)
+    by_example = jax.sharding.NamedSharding(mesh, P("fsdp"))
+    out = jax.sharding.NamedSharding(mesh, out_spec)
+    ref = jax.jit(step, in_shardings=(None, None, by_example),
+                  out_shardings=(None, None, out))(params, tx.init(params), x)
+    offloaded = cxl_offload(step, in_shardings=(None, None, by_example),
+                            out_shardings=(None, None, out))
+    # The batch goes in split over the devices, as jax.jit would put it.
+    compiled = offloaded.lower(p, s, x).compile()
+    assert compiled.input_shardings[0][-1].is_equivalent_to(by_example, 2)
+    new_p, new_s, per_example = offloaded(p, s, x)
+    assert per_example.sharding.is_equivalent_to(out, 1)
+    np.testing.assert_allclose(per_example, ref[2], rtol=1e-6)
+    assert_trees_close(jcxl.gather(new_p), ref[0], 1e-5)
+    assert_trees_close(jcxl.gather(new_s), ref[1], 1e-5)
+
+  def test_errors_name_the_leaf(self, pool):
+    params, tx, mesh, p, s, step, x = self.setup(pool)
+    by_example = jax.sharding.NamedSharding(mesh, P("fsdp"))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    # A device array laid out otherwise is refused, as jax.jit does.
+    committed = jax.device_put(x, replicated)
+    with pytest.raises(ValueError, match=r"argument leaf \[2\].*in_shardings"):
+      cxl_offload(step, in_shardings=(None, None, by_example))(p, s, committed)
+    # State keeps the sharding it was placed with.
+    with pytest.raises(ValueError, match=r"\[0\]\['head'\]\['w'\] has sharding.*keeps the sharding"):
+      cxl_offload(step, in_shardings=(replicated, None, None))(p, s, x)
+    with pytest.raises(ValueError, match=r"keeps the sharding"):
+      cxl_offload(step, out_shardings=(replicated, None, None))(p, s, x)
+    with pytest.raises(ValueError, match="pytree prefix of the step's "
+                       "arguments"):
+      cxl_offload(step, in_shardings=(None, None))(p, s, x)
+    with pytest.raises(ValueError, match=r"must be a jax.sharding.Sharding"):
+      cxl_offload(step, out_shardings=(None, None, "replicated"))(p, s, x)

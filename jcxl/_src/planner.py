@@ -206,7 +206,7 @@ class Planner:
                     ) -> tuple[list[Any], int, list[PoolArray]] | None:
     """A streamed loop's stacked pool keys, length and what it stores."""
     if isinstance(node, SlicedNode):
-      return node.pool_keys, node.length, list(node.stores.values())
+      return node.pool_keys, node.iterations, list(node.stores.values())
     if i in self.streamed:
       return list(self.streamed[i].values()), node.eqn.params["length"], []
     return None

@@ -120,6 +120,10 @@ class PoolArray:
   def shard_shape(self) -> tuple[int, ...]:
     return shard_shape(self.shape, self.sharding)
 
+  # The pool object's own shape per shard (a view's differs from `shape`).
+  object_shard_shape = shard_shape
+  block_rows = 0  # 0: slices along axis 0 are single rows (stacked layers)
+
   @property
   def pool(self):
     """The pool holding this array (PoolClosedError if it was closed)."""
@@ -156,3 +160,37 @@ class PoolArray:
     return (f"PoolArray({self.dtype.name}[{dims}], {where}, pool "
             f"{self.pool_id}, {shards} shard{'s' * (shards != 1)} of "
             f"{format_bytes(shard_bytes)}{path})")
+
+
+class RowBlocks(PoolArray):
+  """A PoolArray seen as blocks of rows along axis 0 (a view, not a copy).
+
+  It looks like a stacked array of shape ``(count, rows) + shape[1:]``:
+  slice ``i`` is rows ``[i * block_rows, i * block_rows + rows)`` of the
+  object. `rows` is `block_rows` for the full blocks; a view of the shorter
+  last block has ``rows = shape[0] % block_rows`` and is sliced at
+  ``count - 1``. It lets a large table's optimizer update stream a block at
+  a time, as stacked layers stream a layer at a time.
+  """
+
+  def __init__(self, base: PoolArray, block_rows: int, tail: bool = False):
+    full = base.shape[0] // block_rows
+    rows = base.shape[0] - full * block_rows if tail else block_rows
+    if not 0 < rows <= base.shape[0]:
+      raise ValueError(f"{base._what()} of {base.shape[0]} rows has no "
+                       f"{'last ' * tail}block of {block_rows} rows")
+    sharding = base.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+      sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
+    super().__init__(
+        base.handles, pool_id=base.pool_id,
+        shape=(full + tail, rows) + base.shape[1:], dtype=base.dtype,
+        sharding=sharding, tier=base.tier, path=base.path,
+        local_handles=base.local_handles)
+    self.base = base
+    self.block_rows = block_rows
+
+  @property
+  def object_shard_shape(self) -> tuple[int, ...]:
+    return self.base.shard_shape

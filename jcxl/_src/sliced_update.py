@@ -1,12 +1,15 @@
-"""Elementwise work on stacked state, run as a loop over layers.
+"""Elementwise work on stacked or large state, run as a loop over slices.
 
 In a step over scanned (stacked) layers the optimizer update is elementwise
 on whole ``[L, ...]`` arrays: done as traced, it would bring every layer's
-parameters and optimizer state onto the device at once. This pass finds
-that work (elementwise equations reading stacked pool-resident state, whose
-results feed only each other or are stored back into the pool) and replaces
-it with one loop over the layers that fetches slice ``i`` of the state,
-computes slice ``i`` of every result and stores it back.
+parameters and optimizer state onto the device at once. A large table (a
+token embedding) has the same problem on its own. This pass finds that work
+(elementwise equations reading such pool-resident state, whose results feed
+only each other or are stored back into the pool) and replaces it with one
+loop that fetches slice ``i`` of the state, computes slice ``i`` of every
+result and stores it back. A slice is a layer of stacked state, or a block
+of rows (about ``ROW_BLOCK_BYTES``) of a table of at least
+``ROW_SLICE_MIN_BLOCKS`` blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 from jcxl._src import jax_compat
 from jcxl._src.pool_array import PoolArray
@@ -28,15 +33,24 @@ ELEMENTWISE = frozenset({
     "not", "or", "pow", "rsqrt", "select_n", "sign", "sqrt", "square", "sub",
     "tanh", "broadcast_in_dim"})
 
+ROW_BLOCK_BYTES = 4 << 20  # a block of a table's rows, per shard
+ROW_SLICE_MIN_BLOCKS = 4   # smaller tables are updated whole
+
 
 @dataclasses.dataclass(eq=False)
 class SlicedNode(Node):
   """The loop that replaces a region: reads `ins`, writes the pool."""
   region: list[Node] = dataclasses.field(default_factory=list)
-  length: int = 0
+  length: int = 0  # full slices
+  rows: int = 0  # 0: a slice is a layer; else a block of this many rows
+  tail: int = 0  # rows of a last, shorter block (0: none)
   pool_keys: list[Any] = dataclasses.field(default_factory=list)
   stacked_keys: list[Any] = dataclasses.field(default_factory=list)
   stores: dict[Any, PoolArray] = dataclasses.field(default_factory=dict)
+
+  @property
+  def iterations(self) -> int:
+    return self.length + (self.tail > 0)
 
 
 def _layer_axis_unsharded(x: PoolArray) -> bool:
@@ -49,9 +63,19 @@ def _full_shape(node: Node):
   return shapes.pop() if len(shapes) == 1 else None
 
 
-def slice_stacked_updates(program: Program, resident: dict[Any, Any],
-                          stores: dict[Any, PoolArray]) -> set[Any]:
-  """Replaces elementwise work on stacked pool state with sliced loops.
+def block_rows(x: PoolArray) -> int:
+  """Rows per block when slicing `x` by rows; 0 if `x` is updated whole."""
+  shape = x.shard_shape
+  if len(shape) < 1 or not _layer_axis_unsharded(x):
+    return 0
+  row_bytes = max(1, int(np.prod(shape[1:])) * x.dtype.itemsize)
+  rows = max(1, ROW_BLOCK_BYTES // row_bytes)
+  return rows if shape[0] >= ROW_SLICE_MIN_BLOCKS * rows else 0
+
+
+def slice_state_updates(program: Program, resident: dict[Any, Any],
+                        stores: dict[Any, PoolArray]) -> set[Any]:
+  """Replaces elementwise work on stacked or large pool state with loops.
 
   Returns:
     The output keys the loops store (no longer stored by the caller).
@@ -66,11 +90,26 @@ def slice_stacked_updates(program: Program, resident: dict[Any, Any],
         key = program.resolve(atom)
         if isinstance(resident.get(key), PoolArray):
           scanned_shapes.add(resident[key].shape)
-  stacked = {k: v for k, v in resident.items()
-             if isinstance(v, PoolArray) and v.shape in scanned_shapes and
-             _layer_axis_unsharded(v)}
-  if not stacked:
-    return set()
+  pooled = {k: v for k, v in resident.items() if isinstance(v, PoolArray)}
+  stacked = {k: v for k, v in pooled.items()
+             if v.shape in scanned_shapes and _layer_axis_unsharded(v)}
+  # Large tables, one loop per shape (a parameter and its moments).
+  tables = collections.defaultdict(dict)
+  for k, v in pooled.items():
+    if k not in stacked and block_rows(v):
+      tables[v.shape][k] = v
+  stored = set()
+  for group, rows in [(stacked, 0)] + [
+      (g, block_rows(next(iter(g.values())))) for g in tables.values()]:
+    if group:
+      stored |= _slice_group(program, resident, stores, group, rows)
+  return stored
+
+
+def _slice_group(program: Program, resident: dict[Any, Any],
+                 stores: dict[Any, PoolArray], stacked: dict[Any, PoolArray],
+                 rows: int) -> set[Any]:
+  """One loop over the slices of `stacked` (layers, or blocks of `rows`)."""
   producer, consumers = {}, collections.defaultdict(set)
   for n, node in enumerate(program.nodes):
     for key in node.outs:
@@ -160,9 +199,11 @@ def slice_stacked_updates(program: Program, resident: dict[Any, Any],
   scalars = [k for k in used if not isinstance(k, Lit) and
              k not in stacked and k not in region_outs and
              k not in stacked_keys]
+  length = lengths.pop()
   loop = SlicedNode(eqn=None, ins=pool_keys + stacked_keys + scalars,
                     outs=[], region=[program.nodes[n] for n in sorted(region)],
-                    length=lengths.pop(), pool_keys=pool_keys,
+                    length=length // rows if rows else length, rows=rows,
+                    tail=length % rows if rows else 0, pool_keys=pool_keys,
                     stacked_keys=stacked_keys, stores=stored)
   nodes = []
   for n, node in enumerate(program.nodes):
@@ -175,9 +216,10 @@ def slice_stacked_updates(program: Program, resident: dict[Any, Any],
 
 
 def evaluate_slice(loop: SlicedNode, program: Program, values: dict[Any, Any],
-                   layer_weights: dict[str, Any], layer_inputs: dict[str, Any]
-                   ) -> dict[Any, Any]:
-  """Runs the region on one layer; returns the values of the stored keys."""
+                   layer_weights: dict[str, Any], layer_inputs: dict[str, Any],
+                   rows: int = 0) -> dict[Any, Any]:
+  """Runs the region on one slice (a layer, or a block of `rows` rows);
+  returns the values of the stored keys."""
   env = dict(values)
   for j, key in enumerate(loop.pool_keys):
     env[key] = layer_weights[str(j)]
@@ -190,7 +232,8 @@ def evaluate_slice(loop: SlicedNode, program: Program, values: dict[Any, Any],
       args.append(key.value if isinstance(key, Lit) else env[key])
     params = {}
     if node.eqn.primitive.name == "broadcast_in_dim":
-      params = {"shape": tuple(node.eqn.params["shape"][1:]),
+      shape = tuple(node.eqn.params["shape"][1:])
+      params = {"shape": (rows,) + shape if rows else shape,
                 "broadcast_dimensions": ()}
     outs = jax_compat.bind(node.eqn, args, **params)
     for key, value in zip(node.outs, outs):

@@ -43,10 +43,10 @@ def _checked(x: Any, op: str) -> tuple[PoolArray, Any]:
     except errors.UnknownHandleError:
       raise errors.UnknownHandleError(
           f"{x._what()}: its object (handle {handle}) was freed") from None
-    if info.shape != x.shard_shape or info.dtype != x.dtype:
+    if info.shape != x.object_shard_shape or info.dtype != x.dtype:
       raise ValueError(
           f"{x._what()}: object {handle} holds {info.dtype}{list(info.shape)}"
-          f" but the PoolArray expects {x.dtype}{list(x.shard_shape)}")
+          f" but the PoolArray expects {x.dtype}{list(x.object_shard_shape)}")
   return x, pool
 
 
@@ -105,14 +105,14 @@ def _timeout_ms(pool) -> np.int64:
 
 
 def _start_call(handle, index, after, *into, shape, dtype, pool_id, stacked,
-                priority, chunk_bytes):
+                block_rows, priority, chunk_bytes):
   name = "jcxl_fetch_start_into" if into else "jcxl_fetch_start"
   return jax.ffi.ffi_call(
       name, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
       input_output_aliases={3: 0} if into else None)(
           handle, index, after, *into, pool_id=np.int32(pool_id),
-          stacked=stacked, priority=np.int32(priority),
-          chunk_bytes=np.int64(chunk_bytes))
+          stacked=stacked, block_rows=np.int64(block_rows),
+          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes))
 
 
 def _done_call(buffer, after, *, timeout_ms):
@@ -166,8 +166,8 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
   dep = _dependency(after, sharded)
   call = functools.partial(
       _start_call, shape=_local_shape(x, stacked), dtype=x.dtype,
-      pool_id=x.pool_id, stacked=stacked, priority=priority,
-      chunk_bytes=chunk_bytes)
+      pool_id=x.pool_id, stacked=stacked, block_rows=x.block_rows,
+      priority=priority, chunk_bytes=chunk_bytes)
   into = () if into is None else (into,)
   if not sharded:
     return Pending(call(x.handles, index, dep, *into), None, None)
@@ -268,13 +268,13 @@ def fetch(x: PoolArray, index: Any = None, *, after: Any = None,
 
 
 def _store_start_call(handle, index, value, after, *, pool_id, stacked,
-                      priority, chunk_bytes):
+                      block_rows, priority, chunk_bytes):
   return jax.ffi.ffi_call(
       "jcxl_store_start", jax.ShapeDtypeStruct(value.shape, value.dtype),
       input_output_aliases={2: 0}, has_side_effect=True)(
           handle, index, value, after, pool_id=np.int32(pool_id),
-          stacked=stacked, priority=np.int32(priority),
-          chunk_bytes=np.int64(chunk_bytes))
+          stacked=stacked, block_rows=np.int64(block_rows),
+          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes))
 
 
 def _store_done_call(buffer, *, timeout_ms):
@@ -310,7 +310,7 @@ def store_start(x: PoolArray, value: jax.Array, index: Any = None, *,
   dep = _dependency(after, sharded)
   call = functools.partial(
       _store_start_call, pool_id=x.pool_id, stacked=stacked,
-      priority=priority, chunk_bytes=chunk_bytes)
+      block_rows=x.block_rows, priority=priority, chunk_bytes=chunk_bytes)
   timeout_ms = _timeout_ms(pool)
   if not sharded:
     return PendingStore(call(x.handles, index, value, dep), None, None,

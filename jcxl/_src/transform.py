@@ -37,6 +37,7 @@ from jcxl._src.program import reorder_by_layer
 from jcxl._src import profile as profile_lib
 from jcxl._src import registry
 from jcxl._src import schedule as schedule_lib
+from jcxl._src import shardings as shardings_lib
 from jcxl._src import tuner as tuner_lib
 from jcxl._src.pool import Tier
 from jcxl._src.planner import Cluster
@@ -44,9 +45,11 @@ from jcxl._src.planner import Planner
 from jcxl._src.planner import shard_bytes
 from jcxl._src.planner import unordered_reads
 from jcxl._src.pool_array import PoolArray
+from jcxl._src.pool_array import RowBlocks
 from jcxl._src.sliced_update import SlicedNode
 from jcxl._src.sliced_update import evaluate_slice
-from jcxl._src.sliced_update import slice_stacked_updates
+from jcxl._src.sliced_update import slice_state_updates
+from jcxl._src.stream import fetch
 from jcxl._src.stream import fetch_done
 from jcxl._src.stream import fetch_start
 from jcxl._src.stream import store_done
@@ -166,23 +169,49 @@ class _Interpreter:
     return list(carry) + list(ys)
 
   def _sliced_loop(self, loop: SlicedNode, i: int) -> list[Any]:
-    """Runs a sliced update: one layer of the stacked state at a time."""
-    weights = {str(j): self.env[k] for j, k in enumerate(loop.pool_keys)}
-    xs = {str(j): self.env[k] for j, k in enumerate(loop.stacked_keys)}
-    xs["layer"] = jax.numpy.arange(loop.length, dtype=jax.numpy.int32)
+    """Runs a sliced update: one layer of the stacked state (or one block
+    of a table's rows) at a time."""
     n_direct = len(loop.pool_keys) + len(loop.stacked_keys)
     scalars = {k: self._read(k, i) for k in loop.ins[n_direct:]}
     group = layer_of(self.planner.paths[loop.pool_keys[0]])
+    inputs = [self.env[k] for k in loop.stacked_keys]
+    targets = loop.stores
 
-    def body(c, w, x):
-      values = evaluate_slice(loop, self.program, scalars, w, x)
-      for key, target in loop.stores.items():
-        store(target, values[key], x["layer"])
+    def views(tail=False):
+      return ({str(j): RowBlocks(self.env[k], loop.rows, tail)
+               for j, k in enumerate(loop.pool_keys)},
+              {key: RowBlocks(t, loop.rows, tail)
+               for key, t in loop.stores.items()})
+
+    def run_slice(w, index, rows=0):
+      if loop.rows:  # the same rows of the device inputs, sliced here
+        x = {str(j): jax.lax.dynamic_slice_in_dim(
+                 a, index * loop.rows, rows or loop.rows)
+             for j, a in enumerate(inputs)}
+      else:
+        x = {str(j): a[index] for j, a in enumerate(inputs)}
+      values = evaluate_slice(loop, self.program, scalars, w, x,
+                              rows=rows or loop.rows)
+      for key, target in targets.items():
+        store(target, values[key], index)
+
+    weights = {str(j): self.env[k] for j, k in enumerate(loop.pool_keys)}
+    if loop.rows:
+      weights, targets = views()
+    def body(c, w, index):
+      run_slice(w, index)
       return c, None
 
-    streamed_scan(body, (), weights, xs, length=loop.length,
+    streamed_scan(body, (), weights,
+                  jax.numpy.arange(loop.length, dtype=jax.numpy.int32),
+                  length=loop.length,
                   prefetch=self.schedule.prefetch_for(group),
-        chunk_bytes=self.schedule.chunk_for(group))
+                  chunk_bytes=self.schedule.chunk_for(group))
+    if loop.tail:  # the last, shorter block of rows
+      weights, targets = views(tail=True)
+      last = jax.numpy.int32(loop.length)
+      run_slice({j: fetch(w, last) for j, w in weights.items()}, last,
+                rows=loop.tail)
     return []
 
   def _issue_stores(self, i: int) -> None:
@@ -255,6 +284,7 @@ class _Prepared:
   pinned: dict[int, _Pinned]
   targets: dict[int, int]  # output leaf -> state argument leaf
   out_tree: Any
+  out_shardings: list[Any]  # per output leaf: a Sharding, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +297,7 @@ class _Analysis:
   values: dict[Any, Any]
   stores: dict[Any, PoolArray]
   store_after: dict[Any, int]
-  returned: list[tuple[Any, Any]]
+  returned: list[tuple[int, Any, Any]]  # (output leaf, key, state target)
   segments: list[costmodel.Segment]
 
 
@@ -297,8 +327,11 @@ class OffloadedStep:
   """A step rewritten by ``cxl_offload`` (see there)."""
 
   def __init__(self, fn: Callable, device_budget: int | None,
-               schedule: schedule_lib.Schedule):
+               schedule: schedule_lib.Schedule, in_shardings: Any = None,
+               out_shardings: Any = None):
     self._fn = fn
+    self._in_shardings = in_shardings
+    self._out_shardings = out_shardings
     self._budget = device_budget
     self._schedule = schedule
     self.tuner = (tuner_lib.Tuner(schedule.start, device_budget)
@@ -321,12 +354,32 @@ class OffloadedStep:
     out_shape = jax.eval_shape(self._fn, *avals)
     targets = self._state_targets(args, out_shape)
     position = {id(leaf): i for i, leaf in enumerate(flat)}
+    out_shardings = shardings_lib.flat_shardings(
+        self._out_shardings, out_shape, "out_shardings")
+    for j, t in targets.items():  # state is written back where it lives
+      shardings_lib.check_state(
+          out_shardings[j], t, t._what() if isinstance(t, PoolArray) else
+          f"pinned_host state (output leaf {j})")
     return _Prepared(
         avals=avals,
         pinned={i: _Pinned(leaf.sharding) for i, leaf in enumerate(flat)
                 if _is_pinned(leaf)},
         targets={j: position[id(t)] for j, t in targets.items()},
-        out_tree=jax.tree_util.tree_structure(out_shape))
+        out_tree=jax.tree_util.tree_structure(out_shape),
+        out_shardings=out_shardings)
+
+  def _place_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments as `in_shardings` lays them out (see jax.jit)."""
+    if self._in_shardings is None:
+      return args
+    with_paths = jax.tree_util.tree_flatten_with_path(
+        args, is_leaf=_is_pool_array)[0]
+    state = {i for i, (_, leaf) in enumerate(with_paths)
+             if isinstance(leaf, PoolArray) or _is_pinned(leaf)}
+    return shardings_lib.place_inputs(
+        args, shardings_lib.flat_shardings(self._in_shardings, args,
+                                           "in_shardings"),
+        state, [jax.tree_util.keystr(p) for p, _ in with_paths])
 
   def _analyze(self, args: tuple[Any, ...], prep: "_Prepared") -> _Analysis:
     """Traces the step and finds its clusters, stores and timeline."""
@@ -356,8 +409,8 @@ class OffloadedStep:
         if key != old:  # unchanged state: nothing to write
           stores[key] = target
       else:
-        returned.append((key, target))
-    for key in slice_stacked_updates(program, resident, stores):
+        returned.append((j, key, target))
+    for key in slice_state_updates(program, resident, stores):
       del stores[key]  # the sliced loop stores these, layer by layer
     planner = Planner(program, resident, key_paths)
     producer = {key: n for n, node in enumerate(program.nodes)
@@ -382,10 +435,13 @@ class OffloadedStep:
                                a.stores, a.store_after)
     interpreter.run()
     out = []
-    for key, target in a.returned:
+    for j, key, target in a.returned:
       value = interpreter.read_output(key)
       if isinstance(target, _Pinned):  # back to JAX's pinned host memory
         value = jax.device_put(value, target.sharding)
+      elif prep.out_shardings[j] is not None:  # as jax.jit's out_shardings
+        value = jax.lax.with_sharding_constraint(value,
+                                                prep.out_shardings[j])
       out.append(value)
     self._segments = a.segments
     self._record_plan(a.planner, a.key_paths, a.resident, schedule,
@@ -484,6 +540,7 @@ class OffloadedStep:
 
   def lower(self, *args):
     """Lowers the rewritten step for these arguments (see jax.jit)."""
+    args = self._place_inputs(args)
     return self._lower(args, self._prepare(args))
 
   def _lower(self, args: tuple[Any, ...], prep: _Prepared) -> Any:
@@ -512,6 +569,7 @@ class OffloadedStep:
     return self._signature(args), self.tuner.version if self.tuner else 0
 
   def __call__(self, *args):
+    args = self._place_inputs(args)
     for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array):
       if isinstance(leaf, PoolArray):
         registry.find_pool(leaf.pool_id, what=leaf._what())
@@ -562,7 +620,7 @@ class OffloadedStep:
 
   def memory_analysis(self, *args) -> Any:
     """The compiled step's ``memory_analysis()`` for these arguments."""
-    entry = self._compiled.get(self._cache_key(args))
+    entry = self._compiled.get(self._cache_key(self._place_inputs(args)))
     compiled = entry[0] if entry else self.lower(*args).compile()
     return compiled.memory_analysis()
 
@@ -647,7 +705,8 @@ def step_timeline(fn: Callable, state: tuple[Any, ...], *rest: Any,
 
 def cxl_offload(fn: Callable | None = None, *,
                 device_budget: int | str | None = None,
-                schedule: str = "fixed:1") -> Any:
+                schedule: str = "fixed:1", in_shardings: Any = None,
+                out_shardings: Any = None) -> Any:
   """Rewrites a step so that its pool-resident state streams from the pool.
 
   Arguments holding ``PoolArray`` leaves (placed with ``jcxl.place``) are
@@ -676,6 +735,12 @@ def cxl_offload(fn: Callable | None = None, *,
       saved ``step.plan``), or 'dap[:PATH]' (Dynamic Adaptive Pipelining:
       planned from a cost model within `device_budget`, then re-planned
       from measured steps, optionally starting from a saved plan).
+    in_shardings, out_shardings: as ``jax.jit``'s: a pytree prefix of the
+      arguments (outputs) with ``jax.sharding.Sharding`` or None leaves.
+      Host values are put where `in_shardings` says; a device array must
+      already be laid out so. Returned values are laid out as
+      `out_shardings` says. Pool-resident state keeps the sharding it was
+      placed with: one given for it must match.
 
   Returns:
     The rewritten step; ``step.plan`` is the per-layer plan it compiled
@@ -697,6 +762,6 @@ def cxl_offload(fn: Callable | None = None, *,
   parsed = schedule_lib.parse_schedule(schedule)
 
   def wrap(f):
-    return OffloadedStep(f, budget, parsed)
+    return OffloadedStep(f, budget, parsed, in_shardings, out_shardings)
 
   return wrap if fn is None else wrap(fn)
