@@ -568,8 +568,17 @@ class OffloadedStep:
   def _cache_key(self, args: tuple[Any, ...]) -> Any:
     return self._signature(args), self.tuner.version if self.tuner else 0
 
-  def __call__(self, *args):
-    args = self._place_inputs(args)
+  def compile(self, *args) -> Any:
+    """Compiles the step for these arguments without running it (or takes
+    it from the cache) and returns the compiled executable.
+
+    Raises:
+      MemoryError: it needs more than `device_budget` (after a DAP plan has
+        been re-planned within it).
+    """
+    return self._entry(self._place_inputs(args))[0]
+
+  def _entry(self, args: tuple[Any, ...]) -> tuple[Any, Any, list, Any]:
     for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array):
       if isinstance(leaf, PoolArray):
         registry.find_pool(leaf.pool_id, what=leaf._what())
@@ -577,8 +586,11 @@ class OffloadedStep:
       entry = self._compile(args)
       # Keyed after compiling: a DAP budget re-plan moves the plan on.
       self._compiled[self._cache_key(args)] = entry
-    compiled, out_tree, sources, self.plan = self._compiled[
-        self._cache_key(args)]
+    return self._compiled[self._cache_key(args)]
+
+  def __call__(self, *args):
+    args = self._place_inputs(args)
+    compiled, out_tree, sources, self.plan = self._entry(args)
     measure = self.tuner is not None and self.tuner.wants_measurement()
     if measure:
       jax.block_until_ready(self._last_results)
