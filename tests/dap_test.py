@@ -312,3 +312,43 @@ class TunerTest:
     assert tuner.schedule == start and tuner.version == 0
     assert tuner.converged and tuner.history[-1].what == "revert"
     assert tuner.replans == 1
+
+  def test_explores_uniform_distances_and_keeps_the_fastest(self):
+    # Compute-heavy layers: the model sees no gain in prefetching deeper.
+    segments = [seg(n, MiB, 0.05) for n in "abcd"]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1),
+                                          name="dap")
+    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=1, explore=(1, 2, 3)))
+    tuner.resolve(segments, LINK)
+    # The model's plan holds: uniform 2 and 3 are measured in turn (1 is
+    # the model's plan itself), each a new compiled version.
+    assert tuner.step_done(profile_of(0.30))
+    assert set(dict(tuner.schedule.prefetch).values()) == {2}
+    assert tuner.history[-1].what == "explore" and tuner.version == 1
+    assert tuner.step_done(profile_of(0.25))  # 2 ahead: faster
+    assert set(dict(tuner.schedule.prefetch).values()) == {3}
+    # 3 ahead is slower: back to 2 ahead, compiled already.
+    assert tuner.step_done(profile_of(0.28))
+    assert set(dict(tuner.schedule.prefetch).values()) == {2}
+    assert tuner.version == 1 and tuner.converged
+    assert tuner.replans == 2
+    # What the model does not see is learned: its prediction for the
+    # measured plan is what was measured.
+    assert tuner.predict(dict(start.prefetch)).step_s == pytest.approx(0.30)
+
+  def test_exploration_stays_within_the_budget(self):
+    segments = [seg(n, 8 * MiB, 0.05) for n in "abcd"]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 0),
+                                          name="dap")
+    tuner = tuner_lib.Tuner(start, 100 * MiB, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=1, explore=(1, 2, 3)))
+    tuner.resolve(segments, LINK)
+    tuner.calibrate(90 * MiB)  # 10 MiB left for prefetch: one layer ahead
+    seen = []
+    while not tuner.converged:
+      seen.append(dict(tuner.schedule.prefetch))
+      tuner.step_done(profile_of(0.3))
+    assert all(costmodel.peak_prefetch_bytes(segments, p) <= 10 * MiB
+               for p in seen)
+    assert {max(p.values()) for p in seen} <= {0, 1}

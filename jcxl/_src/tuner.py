@@ -4,10 +4,13 @@ It starts from the cost model's plan (layer bytes, the tiers' links,
 compute estimated from the step's equations) within the device budget,
 then measures a few steps, re-plans from what it measured (each segment's
 compute, each tier's achieved bandwidth) and recompiles only when the plan
-changes, a bounded number of times. Once the plan holds, it measures one
-step every so often; when the measured step drifts from the plan's
-prediction (a link slowed because another job shares it, say) it measures
-again and re-plans.
+changes, a bounded number of times. When the model's plan holds, it also
+measures a few uniform prefetch distances within the budget once, and
+keeps whichever plan measured fastest: the model does not see everything
+(copies competing with compute for the host's cores, say), the device
+does. Once settled, it measures one step every so often; when the measured
+step drifts from the plan's prediction (a link slowed because another job
+shares it, say) it measures again and re-plans.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class TunerOptions:
       against what the plan was made for, that triggers a re-plan.
     min_gain: fraction of the step a re-plan must be predicted to save
       for the tuner to switch plans (and recompile).
+    explore: uniform prefetch distances measured once the model's plan
+      holds (each within the budget, each one compile); the fastest
+      measured plan is kept.
   """
   warmup_steps: int = 1
   measure_steps: int = 3
@@ -46,13 +52,14 @@ class TunerOptions:
   check_every: int = 8
   drift: float = 0.15
   min_gain: float = 0.02
+  explore: tuple[int, ...] = (1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
 class TunerEvent:
   """One thing the tuner did, for its history."""
   step: int
-  what: str  # plan, replan, converged, drift, revert, frozen, budget
+  what: str  # plan, replan, explore, converged, drift, revert, frozen, budget
   predicted_s: float | None
   measured_s: float | None
   detail: str = ""
@@ -85,6 +92,12 @@ class Tuner:
     # is dropped for the best one measured (without a recompile).
     self._versions: dict[LayerSchedule, int] = {}
     self._measured: dict[LayerSchedule, float] = {}
+    self._to_explore: list[int] = list(options.explore)
+    self._exploring = False
+    self._explore_from: LayerSchedule | None = None
+    # Step time the model does not see (dispatch, host work), measured
+    # against its prediction for the plan that ran; added to predictions.
+    self._overhead_s = 0.0
 
   # ------------------------------------------------------------ planning
 
@@ -118,6 +131,8 @@ class Tuner:
                             prefetch_budget=self.prefetch_budget, start=start)
     schedule = LayerSchedule.of(choice.prefetch, choice.chunk_bytes,
                                 name="dap")
+    choice = dataclasses.replace(
+        choice, prediction=self._with_overhead(choice.prediction))
     if self.schedule is not None and not over_budget:
       # A new plan must promise enough to pay for its recompile: measured
       # noise alone would otherwise move the plan back and forth.
@@ -186,12 +201,15 @@ class Tuner:
                       for t, b in profile.bandwidth_by_tier.items()))
       self._window = []
       self._measured.clear()  # times under the old conditions
+      self._to_explore = list(self.options.explore)
     self._state = "measure"
     self._window.append(profile)
     if len(self._window) < self.options.measure_steps:
       return False
     measured = statistics.median(p.step_s for p in self._window)
     self._measured[self.schedule] = measured
+    if self._exploring:
+      return self._explore_next(measured)
     best = min(self._measured, key=self._measured.get)
     if self._measured[best] * (1 + self.options.min_gain) < measured:
       self._revert(best, measured)
@@ -199,9 +217,54 @@ class Tuner:
     changed = self._learn_and_replan(measured)
     self._window = []
     if not changed:
+      if self._to_explore:
+        return self._explore_next(measured)
       self._state = "steady"
       self._baseline_s = measured
     return changed
+
+  def _explore_next(self, measured_s: float) -> bool:
+    """Switches to the next uniform distance to measure; when none is
+    left, settles on the fastest plan measured. Returns whether the plan
+    changed."""
+    self._window = []
+    # The candidates keep the model's plan's layers and chunk sizes.
+    base = self._explore_from = self._explore_from or self.schedule
+    while self._to_explore:
+      k = self._to_explore.pop(0)
+      candidate = LayerSchedule.of(
+          {name: k for name, _ in base.prefetch}, dict(base.chunk_bytes),
+          name="dap")
+      budget = self.prefetch_budget
+      if candidate in self._measured or (
+          budget is not None and costmodel.peak_prefetch_bytes(
+              self._segments, dict(candidate.prefetch)) > budget):
+        continue
+      if candidate not in self._versions:
+        if self.replans >= self.options.max_replans:
+          break
+        self.replans += 1
+      self._exploring = True
+      self._switch(candidate)
+      self._state = "measure"
+      self._event("explore", measured_s,
+                  f"measuring every layer {k} ahead against the model's "
+                  "plan")
+      return True
+    self._exploring = False
+    self._explore_from = None
+    best = min(self._measured, key=self._measured.get)
+    if best != self.schedule:
+      self._revert(best, measured_s)
+      return True
+    self._state = "steady"
+    self._baseline_s = measured_s
+    return False
+
+  def _switch(self, schedule: LayerSchedule) -> None:
+    self.schedule = schedule
+    self.version = self._versions.setdefault(schedule, len(self._versions))
+    self.prediction = self.predict(dict(schedule.prefetch))
 
   def _drifted(self, profile: StepProfile) -> bool:
     """Whether a link or the step time moved from what the plan was
@@ -217,11 +280,9 @@ class Tuner:
   def _revert(self, best: LayerSchedule, measured_s: float) -> None:
     """Back to the fastest plan measured (compiled already)."""
     self._event("revert", measured_s,
-                f"this plan measured {measured_s * 1e3:.2f} ms, an earlier "
+                f"this plan measured {measured_s * 1e3:.2f} ms, the fastest "
                 f"one {self._measured[best] * 1e3:.2f} ms: back to it")
-    self.schedule = best
-    self.version = self._versions[best]
-    self.prediction = self.predict(dict(best.prefetch))
+    self._switch(best)
     self._window = []
     self._state = "steady"
     self._baseline_s = self._measured[best]
@@ -241,6 +302,9 @@ class Tuner:
               if tier in p.bandwidth_by_tier]
       if seen:
         self._links[tier] = costmodel.Link(statistics.median(seen), 0.0)
+    self._overhead_s = 0.0
+    modelled = self.predict(dict(self.schedule.prefetch)).step_s
+    self._overhead_s = max(0.0, measured_s - modelled)
     return self._replan("replan", measured_s)
 
   def _event(self, what: str, measured_s: float | None, detail: str) -> None:
@@ -252,10 +316,14 @@ class Tuner:
                 what, _ms(event.predicted_s), _ms(measured_s), detail)
 
   def predict(self, prefetch: Mapping[str, int]) -> costmodel.Prediction:
-    """The cost model's view of another plan, on what was measured."""
-    return costmodel.simulate(self._segments, prefetch, self._links,
-                              dict(self.schedule.chunk_bytes)
-                              if self.schedule else None)
+    """The cost model's view of another plan, on what was measured (with
+    the step time it does not model, as last measured)."""
+    return self._with_overhead(costmodel.simulate(
+        self._segments, prefetch, self._links,
+        dict(self.schedule.chunk_bytes) if self.schedule else None))
+
+  def _with_overhead(self, p: costmodel.Prediction) -> costmodel.Prediction:
+    return dataclasses.replace(p, step_s=p.step_s + self._overhead_s)
 
   @property
   def links(self) -> dict[str, costmodel.Link]:
