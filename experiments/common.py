@@ -43,16 +43,26 @@ def flags_parser(flag_values: flags.FlagValues, doc: str
   return parse
 
 
-def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],
-                run: Callable[[Any], dict]) -> dict:
-  """Runs one experiment; bad flags become app.UsageError (exit 1)."""
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def validated_config(config_from_flags: Callable[[], Any]) -> Any:
+  """The config built from the parsed flags, validated.
+
+  Raises:
+    app.UsageError: a flag's value is bad (the message names the flag).
+  """
   try:
     config = config_from_flags()
     config.validate()
   except ValueError as e:
     raise app.UsageError(str(e)) from e
+  return config
+
+
+def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],
+                run: Callable[[Any], dict]) -> dict:
+  """Runs one experiment; bad flags become app.UsageError (exit 1)."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = validated_config(config_from_flags)
   logging.info("config: %s", config)
   results = run(config)
   json_out = getattr(config, "json_out", None)
@@ -104,6 +114,20 @@ def check_disk_backed(path: str, *, flag: str) -> None:
     raise ValueError(
         f"{flag} {path!r} is on {fs_type}, which is memory and has no "
         "O_DIRECT; pass a directory on a real disk")
+
+
+def mem_available() -> int:
+  """This machine's MemAvailable (bytes), for sizes that adapt to it.
+
+  Raises:
+    ValueError: /proc/meminfo has no MemAvailable (pass sizes explicitly).
+  """
+  with open("/proc/meminfo", encoding="utf-8") as f:
+    for line in f:
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) * 1024
+  raise ValueError("sizes chosen from memory need MemAvailable in "
+                   "/proc/meminfo; pass them explicitly (e.g. '8GiB')")
 
 
 def check_json_out(path: str | None, example: str) -> None:

@@ -160,15 +160,6 @@ def _prefetch(schedule: str, flag: str) -> int:
   return int(match.group(1))
 
 
-def _mem_available() -> int:
-  with open("/proc/meminfo", encoding="utf-8") as f:
-    for line in f:
-      if line.startswith("MemAvailable:"):
-        return int(line.split()[1]) * 1024
-  raise ValueError("--pool_capacity=auto needs MemAvailable in /proc/meminfo;"
-                   " pass a byte count such as '8GiB'")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """What one run compiles and searches."""
@@ -240,7 +231,7 @@ def config_from_flags() -> Config:
     raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, but "
                      f"got {_FAMILY.value!r}")
   if _POOL_CAPACITY.value.strip() == "auto":
-    available = _mem_available()
+    available = common.mem_available()
     capacity = int(available * AUTO_POOL_FRACTION)
     source = (f"auto: {AUTO_POOL_FRACTION:.0%} of MemAvailable "
               f"{format_bytes(available)}")

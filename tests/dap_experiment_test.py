@@ -5,31 +5,15 @@ from __future__ import annotations
 import csv
 
 from absl import app
-from absl.testing import flagsaver
 import pytest
 
 from experiments import dap
 
 
 @pytest.fixture
-def run_program():
-  saved = flagsaver.save_flag_values(dap.FLAGS)
-
-  def run(*args: str) -> dict:
-    argv = dap.FLAGS(["dap", *args])
-    return dap.run(_validated(argv))
-
-  def _validated(argv):
-    del argv
-    config = dap.config_from_flags()
-    try:
-      config.validate()
-    except ValueError as e:
-      raise app.UsageError(str(e)) from e
-    return config
-
-  yield run
-  flagsaver.restore_flag_values(saved, dap.FLAGS)
+def run_program(experiment):
+  config = experiment(dap)
+  return lambda *args: dap.run(config(*args))
 
 
 class DapExperimentTest:
@@ -64,5 +48,5 @@ class DapExperimentTest:
       run_program(*args)
 
   def test_bad_bandwidth_flag(self, run_program):
-    with pytest.raises(ValueError, match="--bandwidths"):
+    with pytest.raises(app.UsageError, match="--bandwidths"):
       run_program("--bandwidths=fast")

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 from absl import app
-from absl.testing import flagsaver
 import pytest
 
 from experiments import plan
 
 
 @pytest.fixture
-def run_program():
-  saved = flagsaver.save_flag_values(plan.FLAGS)
-
-  def run(*args: str) -> dict:
-    plan.FLAGS(["plan", *args])
-    try:
-      config = plan.config_from_flags()
-      config.validate()
-    except ValueError as e:
-      raise app.UsageError(str(e)) from e
-    return plan.run(config)
-
-  yield run
-  flagsaver.restore_flag_values(saved, plan.FLAGS)
+def run_program(experiment):
+  config = experiment(plan)
+  return lambda *args: plan.run(config(*args))
 
 
 class PlanExperimentTest:
