@@ -25,13 +25,26 @@ The run directory gets config.json (flags, emulation, machine),
 metrics.jsonl and metrics.csv, plan.txt and plan.json (the streaming plan),
 summary.json, and loss.png, throughput.png and layer_stall.png.
 
+With --checkpoint_every=N it saves the params, the adamw state (with its
+step count), the step and the data position every N steps into
+<run_dir>/checkpoints/<step> (``jcxl.checkpoint``: Orbax's format, streamed
+from the pool, written atomically; the newest --keep_checkpoints are kept).
+--resume continues from the latest of them (--resume=PATH: from that
+checkpoint), exactly: the training batches' random generator, seeded by
+--seed, is replayed to the data position, and the resumed run computes the
+losses the uninterrupted one would have:
+
+  python -m experiments.train --checkpoint_every=50 --run_dir=runs/a
+  python -m experiments.train --checkpoint_every=50 --run_dir=runs/a --resume
+
 Command line (the defaults; about 2.5 minutes on a 2-core machine):
 
   python -m experiments.train --model=byte-gpt --steps=200 --batch_size=4 \
       --seq_len=64 --learning_rate=3e-3 --warmup_steps=20 --eval_every=50 \
       --eval_batches=8 --seed=0 --mode=cxl --tier=cxl --schedule=fixed:1 \
       --device_budget=72MiB --link_gbps=16 --link_latency_us=2 \
-      --log_every=10 --data_bytes=4MiB --run_dir=runs/train-<timestamp>
+      --log_every=10 --data_bytes=4MiB --run_dir=runs/train-<timestamp> \
+      --checkpoint_every=0 --keep_checkpoints=2
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -123,6 +137,41 @@ _LOG_EVERY = flags.DEFINE_integer(
 _DATA_BYTES = flags.DEFINE_string(
     "data_bytes", "4MiB", "Bytes of standard-library sources to read.",
     flag_values=FLAGS)
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", 0, "Save a checkpoint (params, adamw state, step, "
+    "data position) every this many steps into <run_dir>/checkpoints/<step>;"
+    " 0: never.", flag_values=FLAGS)
+_KEEP_CHECKPOINTS = flags.DEFINE_integer(
+    "keep_checkpoints", 2, "Newest checkpoints kept; an older one is deleted "
+    "once a newer one is complete.", flag_values=FLAGS)
+RESUME_LATEST = "latest"
+
+
+class _ResumeParser(flags.ArgumentParser):
+  """``--resume`` alone: the run directory's latest checkpoint;
+  ``--resume=PATH``: that checkpoint, or the latest in a directory of them."""
+
+  def parse(self, argument: Any) -> str | None:
+    if argument is True or argument == "true":
+      return RESUME_LATEST
+    if argument in (False, None, "", "false"):
+      return None
+    return str(argument)
+
+  def flag_type(self) -> str:
+    return "string"
+
+
+_RESUME = flags.DEFINE_flag(flags.Flag(
+    _ResumeParser(), flags.ArgumentSerializer(), "resume", None,
+    "Continue from a checkpoint, exactly: --resume alone from the latest in "
+    "--run_dir; --resume=PATH from that checkpoint (or the latest in the "
+    "directory PATH). The other flags must match the run that wrote it.",
+    boolean=True), flag_values=FLAGS)
+# What a resumed run must share with the run that wrote its checkpoint to
+# compute the same losses (the mode, tier and schedule may differ).
+_RUN_IDENTITY = ("model", "steps", "batch_size", "seq_len", "learning_rate",
+                 "warmup_steps", "seed", "data_bytes")
 
 
 def byte_gpt(**overrides: Any) -> gpt2.GPT2Config:
@@ -170,9 +219,66 @@ class Config:
   run_dir: str
   log_every: int
   data_bytes: int
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 2
+  resume: str | None = None
 
   def model_config(self) -> gpt2.GPT2Config:
     return MODELS[self.model]()
+
+  @property
+  def checkpoint_dir(self) -> str:
+    return os.path.join(self.run_dir, "checkpoints")
+
+  def identity(self) -> dict[str, Any]:
+    return {name: getattr(self, name) for name in _RUN_IDENTITY}
+
+  def resume_path(self) -> str | None:
+    """The checkpoint --resume names, or None if there is none."""
+    if self.resume is None:
+      return None
+    if self.resume == RESUME_LATEST:
+      return jcxl.checkpoint.latest(self.checkpoint_dir)
+    if jcxl.checkpoint.is_complete(self.resume):
+      return os.path.abspath(self.resume)
+    return jcxl.checkpoint.latest(self.resume)
+
+  def _validate_checkpoints(self) -> None:
+    if self.checkpoint_every < 0:
+      raise ValueError(f"--checkpoint_every must be >= 0 (0: no "
+                       f"checkpoints), but got {self.checkpoint_every}")
+    if self.keep_checkpoints < 1:
+      raise ValueError(f"--keep_checkpoints must be positive, but got "
+                       f"{self.keep_checkpoints}")
+    if self.resume is None:
+      return
+    path = self.resume_path()
+    if path is None:
+      where = (f"--run_dir's {self.checkpoint_dir!r}"
+               if self.resume == RESUME_LATEST else repr(self.resume))
+      raise ValueError(f"--resume: no finished checkpoint in {where}; "
+                       "pass --resume=PATH or drop --resume")
+    saved = jcxl.checkpoint.read_metadata(path).get("train")
+    if saved is None:
+      raise ValueError(f"--resume: {path!r} was not written by "
+                       "experiments.train")
+    for name, value in self.identity().items():
+      if saved["run"].get(name) != value:
+        raise ValueError(
+            f"--resume: {path!r} was written with --{name}="
+            f"{saved['run'].get(name)!r}, but this run has --{name}={value!r}"
+            "; a resumed run continues exactly only with the same "
+            f"{', '.join('--' + n for n in _RUN_IDENTITY)}")
+    if saved["step"] >= self.steps:
+      raise ValueError(f"--resume: {path!r} is at step {saved['step']}, the "
+                       f"last of --steps {self.steps}; nothing is left to run")
+    later = [s for s in _finished_steps(self.checkpoint_dir)
+             if s > saved["step"]]
+    if later:
+      raise ValueError(
+          f"--resume: {self.checkpoint_dir!r} already holds checkpoints after"
+          f" step {saved['step']} (steps {later}); resume from the latest "
+          "(--resume) or pass a new --run_dir")
 
   def validate(self) -> None:
     """Raises ValueError naming the flag whose value is wrong."""
@@ -205,6 +311,7 @@ class Config:
     if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
       raise ValueError(f"--run_dir {self.run_dir!r} is a file; pass a "
                        "directory")
+    self._validate_checkpoints()
     try:
       jcxl.cxl_offload(lambda x: x, schedule=self.schedule)
     except ValueError as e:
@@ -256,7 +363,9 @@ def config_from_flags() -> Config:
       link=jcxl.LinkModel(bandwidth=_LINK_GBPS.value * 1e9,
                           latency_s=_LINK_LATENCY_US.value * 1e-6),
       run_dir=run_dir, log_every=_LOG_EVERY.value,
-      data_bytes=parse_bytes(_DATA_BYTES.value, name="--data_bytes"))
+      data_bytes=parse_bytes(_DATA_BYTES.value, name="--data_bytes"),
+      checkpoint_every=_CHECKPOINT_EVERY.value,
+      keep_checkpoints=_KEEP_CHECKPOINTS.value, resume=_RESUME.value)
 
 
 # ------------------------------------------------------------- the model
@@ -339,6 +448,15 @@ class _Resident:
     text = "resident mode: every leaf stays on the device; nothing streamed"
     return text, {"mode": "resident", "layers": []}
 
+  def state(self) -> dict[str, Any]:
+    return {"params": self._params, "opt_state": self._opt_state}
+
+  def load(self, path: str, like: dict[str, Any]) -> dict[str, Any]:
+    restored = jcxl.checkpoint.restore(path, like)
+    _delete(self.state())
+    self._params, self._opt_state = restored["params"], restored["opt_state"]
+    return restored
+
 
 class _Offloaded:
   """State in a pool tier; train and eval steps rewritten by cxl_offload."""
@@ -400,6 +518,14 @@ class _Offloaded:
     plan = self.step.plan
     return str(plan), dataclasses.asdict(plan)
 
+  def state(self) -> dict[str, Any]:
+    return {"params": self._params, "opt_state": self._opt_state}
+
+  def load(self, path: str, like: dict[str, Any]) -> dict[str, Any]:
+    # In place: the PoolArrays keep their objects, so the steps compiled
+    # for them stay valid and the pool needs no room for a second copy.
+    return jcxl.checkpoint.restore_into(path, like)
+
 
 # ------------------------------------------------------------ the run
 
@@ -428,14 +554,28 @@ class _Metrics:
   FIELDS = ("kind", "step", "loss", "val_loss", "tokens_per_s", "stall_frac",
             "bytes_fetched", "bytes_stored", "wall_s", "startup")
 
-  def __init__(self, run_dir: str):
+  def __init__(self, run_dir: str, keep_until_step: int | None = None):
+    """`keep_until_step`: a resumed run keeps the rows its checkpoint's run
+    logged up to that step (and drops those it logged after it)."""
     self.rows: list[dict[str, Any]] = []
-    self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "w",
-                       encoding="utf-8")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    kept = []
+    if keep_until_step is not None and os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        for line in f:
+          try:
+            row = json.loads(line)
+          except ValueError:
+            continue  # a line cut short when that run was killed
+          if row["step"] <= keep_until_step:
+            kept.append(row)
+    self._jsonl = open(path, "w", encoding="utf-8")
     self._csv_file = open(os.path.join(run_dir, "metrics.csv"), "w",
                           encoding="utf-8", newline="")
     self._csv = csv.DictWriter(self._csv_file, self.FIELDS, restval="")
     self._csv.writeheader()
+    for row in kept:
+      self.add(row)
 
   def add(self, row: dict[str, Any]) -> None:
     self.rows.append(row)
@@ -485,6 +625,14 @@ def run(config: Config) -> dict[str, Any]:
     else:
       runner = _Resident(resident, params, opt_state, loss_fn)
     del params, opt_state
+    start = {"step": 0, "data_position": 0}
+    if config.resume is not None:
+      path = config.resume_path()
+      restored = runner.load(path, {**runner.state(), **start})
+      start = {k: int(restored[k]) for k in start}
+      print(f"resumed from {path} at step {start['step']}", flush=True)
+    if config.checkpoint_every:
+      _remove_unfinished_checkpoints(config.checkpoint_dir)
     info = {
         "model": {"name": config.model,
                   "parameters": common.count_params(model),
@@ -493,12 +641,14 @@ def run(config: Config) -> dict[str, Any]:
         "state_bytes": state_bytes,
         "tokens_per_step": config.batch_size * config.seq_len,
         "label": runner.label,
+        "start_step": start["step"],
     }
     _write_config(config, corpus, info)
     _print_header(config, info, resident_need)
-    metrics = _Metrics(config.run_dir)
+    metrics = _Metrics(config.run_dir, keep_until_step=(
+        start["step"] if config.resume is not None else None))
     try:
-      results = _train(config, runner, corpus, eval_set, metrics)
+      results = _train(config, runner, corpus, eval_set, metrics, **start)
     finally:
       metrics.close()
     plan_text, plan_json = runner.plan()
@@ -573,18 +723,23 @@ def _print_header(config: Config, info: dict[str, Any],
 
 
 def _train(config: Config, runner: Any, corpus: data.ByteCorpus,
-           eval_set: Sequence[dict], metrics: _Metrics) -> dict[str, Any]:
-  """The training loop; returns per-step losses and per-layer totals."""
+           eval_set: Sequence[dict], metrics: _Metrics, step: int = 0,
+           data_position: int = 0) -> dict[str, Any]:
+  """The training loop from `step` (a checkpoint's; 0: the start); returns
+  per-step losses and per-layer totals."""
   batches = corpus.batches("train", config.batch_size, config.seq_len,
                            seed=config.seed)
+  for _ in range(data_position):  # the data stream where the run left it
+    next(batches)
+  start_step = step
   tokens_per_step = config.batch_size * config.seq_len
   per_layer: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
   window = _Window(start=time.perf_counter())
   pending: list[jax.Array] = []
   losses: list[float] = []
-  for step in range(1, config.steps + 1):
+  for step in range(start_step + 1, config.steps + 1):
     pending.append(runner.train(next(batches)))
-    if step == 1 and isinstance(runner, _Offloaded):
+    if step == start_step + 1 and isinstance(runner, _Offloaded):
       print(f"offloaded step needs {format_bytes(runner.need)} of device "
             f"memory (budget {format_bytes(config.device_budget)})",
             flush=True)
@@ -601,7 +756,7 @@ def _train(config: Config, runner: Any, corpus: data.ByteCorpus,
           "stall_frac": window.wait_s / wall,
           "bytes_fetched": window.fetched, "bytes_stored": window.stored,
           "wall_s": wall,
-          "startup": step == 1,
+          "startup": step - len(pending) == start_step,  # compiled in it
       }
       metrics.add(row)
       print(_progress_line(row, config, runner.label), flush=True)
@@ -622,9 +777,48 @@ def _train(config: Config, runner: Any, corpus: data.ByteCorpus,
             f"({len(eval_set)} batches, {eval_s:.1f} s, streamed "
             f"{format_bytes(row['bytes_fetched'])})  [state in "
             f"{runner.label}]", flush=True)
+    if config.checkpoint_every and step % config.checkpoint_every == 0:
+      path, save_s = _save_checkpoint(config, runner, step)
+      window.start += save_s  # saving is not training time either
+      print(f"checkpoint step {step}: {path} ({save_s:.1f} s)  [state in "
+            f"{runner.label}]", flush=True)
   return {"losses": losses,
           "layer_wait_s": {k: v[0] for k, v in per_layer.items()},
           "layer_bytes": {k: v[1] for k, v in per_layer.items()}}
+
+
+def _finished_steps(directory: str) -> list[int]:
+  """Steps of the finished checkpoints in `directory`, ascending."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isdigit() and jcxl.checkpoint.is_complete(
+                    os.path.join(directory, name)))
+
+
+def _remove_unfinished_checkpoints(directory: str) -> None:
+  """Deletes what saves killed midway left (their temporary directories);
+  this run owns the directory."""
+  if not os.path.isdir(directory):
+    return
+  for name in os.listdir(directory):
+    path = os.path.join(directory, name)
+    if not jcxl.checkpoint.is_complete(path):
+      print(f"removing an unfinished checkpoint: {path}", flush=True)
+      shutil.rmtree(path, ignore_errors=True)
+
+
+def _save_checkpoint(config: Config, runner: Any, step: int
+                     ) -> tuple[str, float]:
+  """Saves the run's state at `step`, then drops the oldest checkpoints."""
+  start = time.perf_counter()
+  path = jcxl.checkpoint.save(
+      os.path.join(config.checkpoint_dir, str(step)),
+      {**runner.state(), "step": step, "data_position": step},
+      metadata={"train": {"run": config.identity(), "step": step}})
+  for old in _finished_steps(config.checkpoint_dir)[:-config.keep_checkpoints]:
+    shutil.rmtree(os.path.join(config.checkpoint_dir, str(old)))
+  return path, time.perf_counter() - start
 
 
 def _progress_line(row: dict[str, Any], config: Config, label: str) -> str:
@@ -653,6 +847,7 @@ def _summary(config: Config, info: dict[str, Any], results: dict[str, Any],
       "model": info["model"]["name"],
       "parameters": info["model"]["parameters"],
       "steps": config.steps,
+      "start_step": info["start_step"],
       "tokens_per_step": info["tokens_per_step"],
       "first_loss": results["losses"][0],
       "last_loss": train[-1]["loss"],
@@ -687,7 +882,8 @@ def _summary_text(s: dict[str, Any]) -> str:
   return "\n".join([
       f"summary: {s['model']} ({s['parameters']:,} parameters), "
       f"{s['steps']} steps, mode {s['mode']}, state in {s['label']}",
-      f"  train loss {s['first_loss']:.3f} (step 1) -> {s['last_loss']:.3f} "
+      f"  train loss {s['first_loss']:.3f} (step {s['start_step'] + 1}) -> "
+      f"{s['last_loss']:.3f} "
       "(mean of the last logged steps)",
       f"  validation loss {vals}",
       f"  {s['mean_tokens_per_s']:.0f} tokens/s, stall "

@@ -32,6 +32,7 @@ __all__ = [
     "TierIOError",
     "TransferTimeoutError",
     "UnknownHandleError",
+    "checkpoint",
     "cxl_offload",
     "fetch",
     "gather",
@@ -39,3 +40,12 @@ __all__ = [
     "store",
     "topology",
 ]
+
+
+def __getattr__(name: str):
+  # jcxl.checkpoint brings in Orbax (about a second to import): loaded on
+  # first use, not with jcxl.
+  if name == "checkpoint":
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module("jcxl.checkpoint")
+  raise AttributeError(f"module 'jcxl' has no attribute {name!r}")
