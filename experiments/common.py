@@ -116,6 +116,14 @@ def check_disk_backed(path: str, *, flag: str) -> None:
         "O_DIRECT; pass a directory on a real disk")
 
 
+def rotated(items: Sequence[Any], round_index: int) -> list[Any]:
+  """`items` rotated by `round_index`: over interleaved rounds each item
+  runs in each position of a round equally often, so whatever favours a
+  position (the first step after the others' work, say) favours none."""
+  shift = round_index % len(items) if items else 0
+  return list(items[shift:]) + list(items[:shift])
+
+
 def mem_available() -> int:
   """This machine's MemAvailable (bytes), for sizes that adapt to it.
 

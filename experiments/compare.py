@@ -399,7 +399,8 @@ def run_size(config: Config, width: int, batches: list[dict]) -> dict:
       timed = n >= config.warmup and (
           n >= config.tune_steps or not any(r.tuning for r in live.values()))
       timed_rounds += timed
-      for mode, runner in live.items():
+      for mode in exp_common.rotated(list(live), n):
+        runner = live[mode]
         start = time.perf_counter()
         loss = float(jax.block_until_ready(runner(batch)))
         seconds = time.perf_counter() - start

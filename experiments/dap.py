@@ -193,8 +193,9 @@ def run_case(case: Case, bandwidth: float, config: Config) -> dict:
     for run_ in runs.values():  # compile, warm up
       *run_[1], _ = run_[0](*run_[1], case.batch)
     times = {s: [] for s in runs}
-    for _ in range(config.steps):
-      for schedule, run_ in runs.items():
+    for n in range(config.steps):
+      for schedule in exp_common.rotated(list(runs), n):
+        run_ = runs[schedule]
         seconds, run_[1] = _timed(run_[0], run_[1], case.batch, 1)
         times[schedule].append(seconds)
     tuner = runs["dap"][0].tuner
