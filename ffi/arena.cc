@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 #include "allocator.h"
 #include "fast_copy.h"
@@ -107,13 +108,97 @@ StatusOr<std::unique_ptr<FileArena>> FileArena::Create(const std::string& path,
     direct = false;
   }
   if (fd < 0) return ErrnoStatus("cannot create nvme file " + path, errno);
-  return std::unique_ptr<FileArena>(
-      new FileArena(fd, path, direct, keep_file));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int error = errno;
+    close(fd);
+    unlink(path.c_str());
+    return ErrnoStatus("cannot stat nvme file " + path, error);
+  }
+  std::unique_ptr<FileArena> arena(new FileArena(fd, path, direct, keep_file));
+  arena->dev_ = st.st_dev;
+  arena->ino_ = st.st_ino;
+  return arena;
 }
 
 FileArena::~FileArena() {
   close(fd_);
-  if (!keep_) unlink(path_.c_str());
+  // Only the file this arena made: if it was removed or replaced meanwhile
+  // (or a link put in its place), whatever is at the path now is not ours.
+  struct stat st;
+  if (!keep_ && lstat(path_.c_str(), &st) == 0 && st.st_dev == dev_ &&
+      st.st_ino == ino_) {
+    unlink(path_.c_str());
+  }
+}
+
+void FileArena::CheckSize() {
+  std::lock_guard<std::mutex> lock(size_mu_);
+  CheckSizeLocked();
+}
+
+void FileArena::CheckSizeLocked() {
+  struct stat st;
+  if (fstat(fd_, &st) != 0) return;  // the reads and writes will say why
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size >= written_end_) return;
+  AddLostLocked(size, written_end_,
+                "was cut to " + FormatBytes(size) +
+                    " behind the pool's back (the pool had written " +
+                    FormatBytes(written_end_) + ")");
+  written_end_ = size;
+}
+
+void FileArena::AddLostLocked(uint64_t begin, uint64_t end,
+                              const std::string& note) {
+  if (end <= begin) return;
+  // Merge with the lost ranges it touches.
+  auto it = lost_.upper_bound(begin);
+  if (it != lost_.begin() && std::prev(it)->second >= begin) --it;
+  while (it != lost_.end() && it->first <= end) {
+    begin = std::min(begin, it->first);
+    end = std::max(end, it->second);
+    it = lost_.erase(it);
+  }
+  lost_.emplace(begin, end);
+  lost_note_ = note;
+}
+
+void FileArena::ForgetLost(uint64_t begin, uint64_t end) {
+  if (lost_.empty() || end <= begin) return;
+  auto it = lost_.upper_bound(begin);
+  if (it != lost_.begin() && std::prev(it)->second > begin) --it;
+  while (it != lost_.end() && it->first < end) {
+    const uint64_t lo = it->first;
+    const uint64_t hi = it->second;
+    it = lost_.erase(it);
+    if (lo < begin) lost_.emplace(lo, begin);
+    if (hi > end) {
+      lost_.emplace(end, hi);
+      break;
+    }
+  }
+}
+
+Status FileArena::CheckNotLost(uint64_t offset, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(size_mu_);
+  if (lost_.empty()) return Status::Ok();
+  const uint64_t end = offset + bytes;
+  auto it = lost_.upper_bound(offset);
+  if (it != lost_.begin() && std::prev(it)->second > offset) --it;
+  if (it == lost_.end() || it->first >= end) return Status::Ok();
+  const uint64_t lo = std::max(offset, it->first);
+  const uint64_t hi = std::min(end, it->second);
+  return Status(Code::kIo, "nvme file " + path_ + " " + lost_note_ +
+                               ": bytes [" + std::to_string(lo) + ", " +
+                               std::to_string(hi) + ") of this read are lost");
+}
+
+uint64_t FileArena::lost_bytes() const {
+  std::lock_guard<std::mutex> lock(size_mu_);
+  uint64_t total = 0;
+  for (const auto& [begin, end] : lost_) total += end - begin;
+  return total;
 }
 
 Status FileArena::ReadBlocks(uint64_t offset, char* dst, uint64_t bytes) {
@@ -124,7 +209,22 @@ Status FileArena::ReadBlocks(uint64_t offset, char* dst, uint64_t bytes) {
       if (errno == EINTR) continue;
       return ErrnoStatus("nvme read of " + path_ + " failed", errno);
     }
-    if (n == 0) {  // past the end of the file: never written, reads as zeros
+    if (n == 0) {  // past the end of the file
+      uint64_t written_end;
+      {
+        std::lock_guard<std::mutex> lock(size_mu_);
+        written_end = written_end_;
+      }
+      if (offset + done < written_end) {  // shrunk since CheckSize()
+        CheckSize();
+        return Status(Code::kIo,
+                      "nvme file " + path_ + " ends at byte " +
+                          std::to_string(offset + done) + ", before the " +
+                          std::to_string(written_end) +
+                          " bytes the pool wrote: it was truncated behind "
+                          "the pool's back");
+      }
+      // Never written: reads as zeros.
       std::memset(dst + done, 0, bytes - done);
       break;
     }
@@ -140,15 +240,23 @@ Status FileArena::WriteBlocks(uint64_t offset, const char* src,
     ssize_t n = pwrite(fd_, src + done, bytes - done, offset + done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus("nvme write to " + path_ + " failed", errno);
+      // ENOSPC (file system full), EFBIG (file size limit), EIO, ...
+      return ErrnoStatus("nvme write of " + FormatBytes(bytes) + " at byte " +
+                             std::to_string(offset + done) + " of " + path_ +
+                             " failed",
+                         errno);
     }
     done += static_cast<uint64_t>(n);
   }
+  std::lock_guard<std::mutex> lock(size_mu_);
+  written_end_ = std::max(written_end_, offset + bytes);
   return Status::Ok();
 }
 
 Status FileArena::Read(uint64_t offset, void* dst, uint64_t bytes,
                        void* bounce) {
+  CheckSize();
+  JCXL_RETURN_IF_ERROR(CheckNotLost(offset, bytes));
   const uint64_t begin = AlignDown(offset);
   const uint64_t end = AlignUp(offset + bytes);
   const bool aligned = begin == offset && end == offset + bytes &&
@@ -162,6 +270,17 @@ Status FileArena::Read(uint64_t offset, void* dst, uint64_t bytes,
 
 Status FileArena::Write(uint64_t offset, const void* src, uint64_t bytes,
                         void* bounce) {
+  CheckSize();  // before this write may grow the file past a cut
+  Status written = WriteRange(offset, src, bytes, bounce);
+  if (written.ok()) {
+    std::lock_guard<std::mutex> lock(size_mu_);
+    ForgetLost(offset, offset + bytes);  // these bytes are whole again
+  }
+  return written;
+}
+
+Status FileArena::WriteRange(uint64_t offset, const void* src, uint64_t bytes,
+                             void* bounce) {
   const uint64_t begin = AlignDown(offset);
   const uint64_t end = AlignUp(offset + bytes);
   const bool edges = begin != offset || end != offset + bytes;
@@ -186,20 +305,29 @@ Status FileArena::Write(uint64_t offset, const void* src, uint64_t bytes,
 }
 
 Status FileArena::Move(uint64_t from, uint64_t to, uint64_t bytes) {
-  constexpr uint64_t kStep = 8ull << 20;
+  // Steps of up to 8 MiB, through a buffer no larger than the move needs
+  // (compaction moves many small extents).
+  const uint64_t step = std::min<uint64_t>(8ull << 20, AlignUp(bytes));
   void* raw = nullptr;
-  if (posix_memalign(&raw, kBlockBytes, kStep + Arena::BounceBytes(kStep)) !=
+  if (posix_memalign(&raw, kBlockBytes, step + Arena::BounceBytes(step)) !=
       0) {
     return Status(Code::kExhausted, "no memory for a compaction buffer");
   }
   std::unique_ptr<void, decltype(&free)> buffer(raw, &free);
   char* scratch = static_cast<char*>(raw);
-  char* bounce = scratch + kStep;
-  for (uint64_t done = 0; done < bytes; done += kStep) {
-    const uint64_t n = std::min(kStep, bytes - done);
+  char* bounce = scratch + step;
+  for (uint64_t done = 0; done < bytes; done += step) {
+    const uint64_t n = std::min(step, bytes - done);
     // Forward order is safe: `to` < `from`, so no unread byte is overwritten.
-    JCXL_RETURN_IF_ERROR(Read(from + done, scratch, n, bounce));
-    JCXL_RETURN_IF_ERROR(Write(to + done, scratch, n, bounce));
+    Status moved = Read(from + done, scratch, n, bounce);
+    if (moved.ok()) moved = Write(to + done, scratch, n, bounce);
+    if (!moved.ok()) {
+      // The extent now lives at `to`: what could not be moved there is lost.
+      std::lock_guard<std::mutex> lock(size_mu_);
+      AddLostLocked(to + done, to + bytes,
+                    "lost bytes in compaction (" + moved.message() + ")");
+      return moved;
+    }
   }
   return Status::Ok();
 }
@@ -207,17 +335,29 @@ Status FileArena::Move(uint64_t from, uint64_t to, uint64_t bytes) {
 void FileArena::Release(uint64_t offset, uint64_t bytes) {
   const uint64_t begin = AlignUp(offset);
   const uint64_t end = AlignDown(offset + bytes);
+  std::lock_guard<std::mutex> lock(size_mu_);
+  // A file cut short must be noticed before ftruncate may grow it back.
+  CheckSizeLocked();
+  ForgetLost(offset, offset + bytes);  // nothing there matters any more
   if (end <= begin) return;
   struct stat st;
   if (fstat(fd_, &st) == 0 && end >= static_cast<uint64_t>(st.st_size)) {
-    if (ftruncate(fd_, static_cast<off_t>(begin)) == 0) return;
+    if (ftruncate(fd_, static_cast<off_t>(begin)) == 0) {
+      written_end_ = std::min(written_end_, begin);
+      return;
+    }
   }
   fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
             static_cast<off_t>(begin), static_cast<off_t>(end - begin));
 }
 
 std::string FileArena::Describe() const {
-  return "file " + path_ + (direct_io_ ? " (O_DIRECT)" : " (buffered)");
+  std::string out =
+      "file " + path_ + (direct_io_ ? " (O_DIRECT)" : " (buffered)");
+  const uint64_t lost = lost_bytes();
+  std::lock_guard<std::mutex> lock(size_mu_);
+  if (lost > 0) out += ", " + FormatBytes(lost) + " lost: it " + lost_note_;
+  return out;
 }
 
 }  // namespace jcxl

@@ -4,7 +4,10 @@
 #ifndef JCXL_FFI_ARENA_H_
 #define JCXL_FFI_ARENA_H_
 
+#include <sys/types.h>
+
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -69,7 +72,13 @@ class MemoryArena : public Arena {
 };
 
 // A file in the pool's private directory, read and written with O_DIRECT
-// where the file system allows it.
+// where the file system allows it, with pread/pwrite only (never mapped: a
+// file cut short behind the pool's back must give an error, not SIGBUS).
+//
+// The arena remembers how far it has written the file. Should the file
+// shrink below that (truncated by someone else), the bytes cut off are
+// recorded as lost: reads that touch them fail with kIo naming the file,
+// until new writes replace them; the rest of the file stays readable.
 class FileArena : public Arena {
  public:
   static StatusOr<std::unique_ptr<FileArena>> Create(const std::string& path,
@@ -85,17 +94,36 @@ class FileArena : public Arena {
   std::string Describe() const override;
   bool direct_io() const { return direct_io_; }
   const std::string& path() const { return path_; }
+  // Bytes recorded as lost to a truncation and not written again since.
+  uint64_t lost_bytes() const;
 
  private:
   FileArena(int fd, std::string path, bool direct, bool keep)
       : fd_(fd), path_(std::move(path)), direct_io_(direct), keep_(keep) {}
   Status ReadBlocks(uint64_t offset, char* dst, uint64_t bytes);
   Status WriteBlocks(uint64_t offset, const char* src, uint64_t bytes);
+  Status WriteRange(uint64_t offset, const void* src, uint64_t bytes,
+                    void* bounce);
+  // Compares the file's size with what was written; records a loss.
+  void CheckSize();
+  // kIo if [offset, offset + bytes) holds lost bytes.
+  Status CheckNotLost(uint64_t offset, uint64_t bytes);
+  // The *Locked helpers and ForgetLost run with size_mu_ held.
+  void CheckSizeLocked();
+  void AddLostLocked(uint64_t begin, uint64_t end, const std::string& note);
+  // [begin, end) is no longer lost (written again, or freed).
+  void ForgetLost(uint64_t begin, uint64_t end);
 
   int fd_;
   std::string path_;
   bool direct_io_;
   bool keep_;
+  dev_t dev_ = 0;  // the file's identity: only this file is ever removed
+  ino_t ino_ = 0;
+  mutable std::mutex size_mu_;  // guards written_end_, lost_, lost_note_
+  uint64_t written_end_ = 0;  // the file is at least this long
+  std::map<uint64_t, uint64_t> lost_;  // begin -> end, disjoint ranges
+  std::string lost_note_;  // what shrank the file, for messages
   // Writes whose ends fall inside a block read-modify-write that block;
   // this lock keeps two such writes from interleaving.
   std::mutex edge_mu_;

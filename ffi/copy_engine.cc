@@ -11,14 +11,12 @@ namespace jcxl {
 namespace {
 
 constexpr size_t kMaxRecords = 1 << 16;
+// How often a stalled or sleeping chunk looks for a cancellation.
+constexpr int64_t kPollNs = 10'000'000;
 
-void SleepUntil(int64_t deadline_ns) {
-  for (int64_t now = NowNs(); now < deadline_ns; now = NowNs()) {
-    const int64_t wait = deadline_ns - now;
-    timespec ts{static_cast<time_t>(wait / 1000000000),
-                static_cast<long>(wait % 1000000000)};
-    nanosleep(&ts, nullptr);
-  }
+std::string WhatOf(const TransferRecord& record, const std::string& label) {
+  return "transfer " + std::to_string(record.id) + " of " +
+         (label.empty() ? "handle " + std::to_string(record.handle) : label);
 }
 
 }  // namespace
@@ -30,14 +28,15 @@ Status Ticket::Wait(int64_t timeout_ns) {
       [this] { return done_; });
   if (!finished) {
     return Status(Code::kTimeout,
-                  "transfer " + std::to_string(record_.id) + " of handle " +
-                      std::to_string(record_.handle) + " (" +
+                  WhatOf(record_, label_) + " (" +
                       std::to_string(record_.bytes) +
                       " bytes) did not finish within " +
                       std::to_string(timeout_ns / 1000000) + " ms");
   }
   return status_;
 }
+
+void Ticket::Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
 
 bool Ticket::done() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -67,14 +66,16 @@ CopyEngine::~CopyEngine() {
       const Chunk& chunk = queue_.top();
       Request& request = *chunk.request;
       if (request.status.ok()) {
-        request.status = Status(Code::kClosed,
-                                "the pool was closed before the transfer ran");
+        request.status = Status(
+            Code::kClosed, WhatOf(request.spec.record, request.spec.label) +
+                               ": the pool was closed before it ran");
       }
       if (--request.chunks_left == 0) finished.push_back(chunk.request);
       queue_.pop();
     }
   }
   cv_.notify_all();
+  stall_cv_.notify_all();  // stalled chunks fail as kClosed
   for (auto& request : finished) Finish(request);
   for (std::thread& worker : workers_) worker.join();
 }
@@ -85,6 +86,7 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
   const uint64_t chunk =
       spec.chunk_bytes > 0 ? std::max(spec.chunk_bytes, kBlockBytes)
                            : chunk_bytes_;
+  request->ticket->label_ = spec.label;
   request->spec = std::move(spec);
   TransferRecord& record = request->spec.record;
   record.direction = request->spec.direction;
@@ -103,6 +105,20 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
       request->status = Status(Code::kClosed, "the pool is closed");
       closed = true;
     } else {
+      FaultSpec& f = fault_;
+      if (f.kind != FaultSpec::Kind::kNone &&
+          (f.tier < 0 || f.tier == record.tier) &&
+          (f.direction < 0 ||
+           f.direction == static_cast<int>(record.direction))) {
+        if (f.skip > 0) {
+          --f.skip;
+        } else if (f.count != 0) {
+          request->fault = f.kind;
+          request->stall_epoch = stall_epoch_;
+          ++faults_injected_;
+          if (f.count > 0) --f.count;
+        }
+      }
       const uint64_t bytes = request->spec.bytes;
       const uint64_t chunks = bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
       request->chunks_left = static_cast<int>(chunks);
@@ -124,6 +140,20 @@ std::shared_ptr<Ticket> CopyEngine::Submit(TransferRequest spec) {
     }
   }
   return request->ticket;
+}
+
+void CopyEngine::InjectFault(const FaultSpec& spec) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fault_ = spec;
+    ++stall_epoch_;
+  }
+  stall_cv_.notify_all();
+}
+
+uint64_t CopyEngine::faults_injected() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return faults_injected_;
 }
 
 std::vector<TransferRecord> CopyEngine::DrainRecords() {
@@ -165,16 +195,53 @@ void CopyEngine::WorkerLoop() {
   free(bounce);
 }
 
+void CopyEngine::Stall(Request& request, Status* status) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Cancel() cannot notify: it does not know the engine. Hence the polling.
+  while (!stopping_ && stall_epoch_ == request.stall_epoch &&
+         !request.ticket->cancelled()) {
+    stall_cv_.wait_for(lock, std::chrono::nanoseconds(kPollNs));
+  }
+  if (stopping_) {
+    *status = Status(Code::kClosed, "injected stall: the pool was closed "
+                                    "while the transfer stalled");
+  }
+}
+
+void CopyEngine::SleepUntil(int64_t deadline_ns, const Ticket& ticket) {
+  for (int64_t now = NowNs(); now < deadline_ns && !ticket.cancelled();
+       now = NowNs()) {
+    const int64_t wait = std::min(deadline_ns - now, kPollNs);
+    timespec ts{static_cast<time_t>(wait / 1000000000),
+                static_cast<long>(wait % 1000000000)};
+    nanosleep(&ts, nullptr);
+  }
+}
+
 void CopyEngine::RunChunk(const Chunk& chunk, char* bounce) {
   Request& request = *chunk.request;
   const TransferRequest& spec = request.spec;
+  const Ticket& ticket = *request.ticket;
   Status status;
   int64_t started_ns;
+  FaultSpec::Kind fault;
   {
     std::lock_guard<std::mutex> lock(mu_);
     started_ns = request.spec.record.started_ns;
+    fault = request.fault;
   }
-  if (bounce == nullptr) {
+  if (fault == FaultSpec::Kind::kStall && chunk.offset == 0) {
+    Stall(request, &status);  // only the first chunk: the others run on
+  }
+  if (!status.ok()) {
+    // Closed while stalled.
+  } else if (ticket.cancelled()) {
+    status = Status(Code::kTimeout,
+                    "cancelled: its waiter timed out before it finished");
+  } else if (fault == FaultSpec::Kind::kFail) {
+    status = Status(Code::kIo, "injected fault: the transfer failed without "
+                               "moving a byte");
+  } else if (bounce == nullptr) {
     status = Status(Code::kExhausted, "copy engine: no memory for a buffer");
   } else {
     const int64_t deadline =
@@ -188,12 +255,16 @@ void CopyEngine::RunChunk(const Chunk& chunk, char* bounce) {
     } else {
       status = spec.arena->Write(offset, buffer, chunk.bytes, bounce);
     }
-    if (deadline > 0) SleepUntil(deadline);
+    if (deadline > 0) SleepUntil(deadline, ticket);
   }
   bool last;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!status.ok() && request.status.ok()) request.status = status;
+    if (!status.ok() && request.status.ok()) {
+      request.status =
+          Status(status.code(), WhatOf(spec.record, spec.label) + ": " +
+                                    status.message());
+    }
     last = --request.chunks_left == 0;
   }
   if (last) Finish(chunk.request);

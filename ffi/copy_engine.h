@@ -6,9 +6,15 @@
 //
 // Lifetime: the Pool owns its CopyEngine; the engine's destructor stops and
 // joins the workers after failing whatever is still queued.
+//
+// Faults: a request whose waiter gave up is cancelled (Ticket::Cancel): its
+// chunks not yet run are skipped, so it stops touching the caller's buffer
+// soon after. For tests, InjectFault() makes chosen transfers fail without
+// moving a byte, or stall until cancelled, released or the engine stops.
 #ifndef JCXL_FFI_COPY_ENGINE_H_
 #define JCXL_FFI_COPY_ENGINE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -16,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <queue>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -48,8 +55,15 @@ constexpr int64_t kMaxTimeoutNs = int64_t{1} << 60;
 // Completion of one request; waited on by the caller.
 class Ticket {
  public:
-  // kTimeout if the request has not finished within `timeout_ns`.
+  // kTimeout if the request has not finished within `timeout_ns`; the
+  // message names the transfer's object and the time waited.
   Status Wait(int64_t timeout_ns);
+  // Asks the engine to skip the chunks it has not run yet (and to end an
+  // injected stall); the request then finishes with kTimeout. A chunk
+  // already under way still completes: wait for done() before freeing the
+  // buffer.
+  void Cancel();
+  bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
   bool done();
   TransferRecord record();
 
@@ -58,8 +72,21 @@ class Ticket {
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::atomic<bool> cancelled_{false};
   Status status_;
   TransferRecord record_;
+  // What the transfer moves, for messages; set before the ticket is shared.
+  std::string label_;
+};
+
+// A test hook: which transfers fail or stall (see CopyEngine::InjectFault).
+struct FaultSpec {
+  enum class Kind { kNone = 0, kFail = 1, kStall = 2 };
+  Kind kind = Kind::kNone;
+  int tier = -1;        // only transfers of this tier (record.tier); -1: any
+  int direction = -1;   // only this Direction; -1: either
+  uint64_t skip = 0;    // matching transfers let through first
+  int64_t count = 1;    // matching transfers then affected; -1: every one
 };
 
 struct TransferRequest {
@@ -72,6 +99,7 @@ struct TransferRequest {
   int priority = 0;           // lower: needed sooner
   uint64_t chunk_bytes = 0;   // 0: the engine's default
   TransferRecord record;      // handle, tier, node filled in by the caller
+  std::string label;          // what moves, for messages (may be empty)
   // Runs on a worker once the last chunk is done, before waiters wake.
   std::function<void(const Status&)> on_complete;
 };
@@ -84,6 +112,13 @@ class CopyEngine {
   CopyEngine& operator=(const CopyEngine&) = delete;
 
   std::shared_ptr<Ticket> Submit(TransferRequest request);
+  // Makes the transfers `spec` matches, from the next Submit on, fail (no
+  // byte moved, kIo) or stall (their first chunk waits until the ticket is
+  // cancelled, the next InjectFault call or the engine's destructor). A
+  // kNone spec clears the fault and releases every stalled transfer.
+  void InjectFault(const FaultSpec& spec);
+  // Transfers a fault has hit so far.
+  uint64_t faults_injected();
   // Completed records since the last call, oldest first (bounded history).
   std::vector<TransferRecord> DrainRecords();
   uint64_t chunk_bytes() const { return chunk_bytes_; }
@@ -96,6 +131,8 @@ class CopyEngine {
     int chunks_left = 0;
     bool started = false;
     Status status;
+    FaultSpec::Kind fault = FaultSpec::Kind::kNone;
+    uint64_t stall_epoch = 0;  // the InjectFault call that stalled it
   };
   struct Chunk {
     std::shared_ptr<Request> request;
@@ -114,16 +151,25 @@ class CopyEngine {
   void WorkerLoop();
   void RunChunk(const Chunk& chunk, char* bounce);
   void Finish(const std::shared_ptr<Request>& request);
+  // Holds an injected stall until it is released or cancelled; kClosed in
+  // `status` if the engine stopped meanwhile.
+  void Stall(Request& request, Status* status);
+  // Sleeps until `deadline_ns` (the emulated link), or less if cancelled.
+  void SleepUntil(int64_t deadline_ns, const Ticket& ticket);
 
   uint64_t chunk_bytes_;
   std::vector<int> cpus_;
   std::mutex mu_;  // guards queue_, requests' counters, records_, stopping_
-  std::condition_variable cv_;
+  std::condition_variable cv_;        // work queued, or stopping
+  std::condition_variable stall_cv_;  // stalls released, or stopping
   std::priority_queue<Chunk> queue_;
   std::deque<TransferRecord> records_;
   uint64_t next_sequence_ = 0;
   uint64_t next_id_ = 1;
   bool stopping_ = false;
+  FaultSpec fault_;          // guarded by mu_
+  uint64_t stall_epoch_ = 0;  // bumped by InjectFault: ends earlier stalls
+  uint64_t faults_injected_ = 0;
   std::vector<std::thread> workers_;
 };
 

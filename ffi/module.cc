@@ -208,6 +208,7 @@ NB_MODULE(_jcxl, m) {
           },
           nb::arg("timeout_s"))
       .def("done", &Ticket::done)
+      .def("cancel", &Ticket::Cancel)
       .def("record", [](Ticket& t) { return RecordTuple(t.record()); });
 
   nb::class_<Pool>(m, "Pool")
@@ -273,6 +274,21 @@ NB_MODULE(_jcxl, m) {
              }
              ThrowIfError(status);
            })
+      .def("inject_fault",
+           [](Pool& p, int kind, int tier, int direction, uint64_t skip,
+              int64_t count) {
+             if (kind < 0 || kind > 2) {
+               throw nb::value_error("fault kind must be 0, 1 or 2");
+             }
+             FaultSpec spec;
+             spec.kind = static_cast<FaultSpec::Kind>(kind);
+             spec.tier = tier;
+             spec.direction = direction;
+             spec.skip = skip;
+             spec.count = count;
+             ThrowIfError(p.InjectFault(spec));
+           })
+      .def_prop_ro("faults_injected", &Pool::faults_injected)
       .def("set_link",
            [](Pool& p, int tier, double bytes_per_second, int64_t latency_ns) {
              ThrowIfError(p.SetLink(static_cast<TierKind>(tier),

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <numeric>
 
@@ -19,6 +20,51 @@ namespace {
 constexpr int kIndexBits = 22;
 constexpr uint32_t kIndexMask = (1u << kIndexBits) - 1;
 constexpr uint32_t kMaxGeneration = (1u << (31 - kIndexBits)) - 1;
+
+uint32_t IndexOf(int32_t handle) {
+  return static_cast<uint32_t>(handle) & kIndexMask;
+}
+
+// The handle indices of every pool in the process. An index belongs to one
+// pool at a time, so a handle of one pool is unknown to every other pool
+// (it can never reach another pool's memory). Its generation moves on at
+// every free, and freed indices are reused oldest first: a stale handle is
+// rejected until its index has been reused kMaxGeneration times.
+class HandleSpace {
+ public:
+  static HandleSpace& Get() {
+    static auto* space = new HandleSpace();
+    return *space;
+  }
+  // A new handle, or 0 when every index is in use.
+  int32_t Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint32_t index;
+    if (!free_.empty()) {
+      index = free_.front();
+      free_.pop_front();
+    } else if (generations_.size() <= kIndexMask) {
+      index = static_cast<uint32_t>(generations_.size());
+      generations_.push_back(1);
+    } else {
+      return 0;
+    }
+    return static_cast<int32_t>(
+        (static_cast<uint32_t>(generations_[index]) << kIndexBits) | index);
+  }
+  void Give(int32_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint32_t index = IndexOf(handle);
+    uint16_t& generation = generations_[index];
+    generation = generation == kMaxGeneration ? 1 : generation + 1;
+    free_.push_back(index);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<uint16_t> generations_;
+  std::deque<uint32_t> free_;
+};
 
 std::mutex g_registry_mu;
 std::map<int32_t, std::weak_ptr<Pool>>& Registry() {
@@ -148,17 +194,14 @@ StatusOr<Pool::Object*> Pool::Lookup(int32_t handle) {
                                      std::to_string(handle) +
                                      " can no longer be used");
   }
-  const uint32_t raw = static_cast<uint32_t>(handle);
-  const uint32_t index = raw & kIndexMask;
-  const uint32_t generation = raw >> kIndexBits;
-  if (handle <= 0 || index >= objects_.size() ||
-      !objects_[index].live || objects_[index].generation != generation) {
+  auto it = handle > 0 ? objects_.find(IndexOf(handle)) : objects_.end();
+  if (it == objects_.end() || it->second.handle != handle) {
     return Status(Code::kNotFound, "handle " + std::to_string(handle) +
                                        " is unknown to pool " +
                                        std::to_string(id_) +
-                                       " or its object was freed");
+                                       " (freed, or another pool's)");
   }
-  return &objects_[index];
+  return &it->second;
 }
 
 StatusOr<int32_t> Pool::AllocateIn(int t, uint64_t bytes) {
@@ -181,26 +224,20 @@ StatusOr<int32_t> Pool::AllocateIn(int t, uint64_t bytes) {
       last = allocation.status();
       continue;
     }
-    uint32_t index;
-    if (!free_indices_.empty()) {
-      index = free_indices_.back();
-      free_indices_.pop_back();
-    } else if (objects_.size() <= kIndexMask) {
-      index = static_cast<uint32_t>(objects_.size());
-      objects_.emplace_back();
-    } else {
+    const int32_t handle = HandleSpace::Get().Take();
+    if (handle == 0) {
       tier.arenas[i].allocator->Free(*allocation);
-      return Status(Code::kExhausted, "pool " + std::to_string(id_) +
-                                          " holds the most objects it can (" +
-                                          std::to_string(kIndexMask) + ")");
+      return Status(Code::kExhausted,
+                    "this process's pools hold the most objects they can (" +
+                        std::to_string(kIndexMask + 1) + ")");
     }
-    Object& object = objects_[index];
-    object.live = true;
+    Object& object = objects_[IndexOf(handle)];
+    object.handle = handle;
     object.tier = t;
     object.arena = static_cast<int>(i);
     object.allocation = *allocation;
     object.pins = 0;
-    return static_cast<int32_t>((object.generation << kIndexBits) | index);
+    return handle;
   }
   return last;
 }
@@ -228,7 +265,7 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
     if (!tiers_[t].enabled) continue;
     StatusOr<int32_t> handle = AllocateIn(t, bytes);
     if (handle.ok()) {
-      Object& object = objects_[static_cast<uint32_t>(*handle) & kIndexMask];
+      Object& object = objects_.at(IndexOf(*handle));
       object.shape = std::move(shape);
       object.dtype = std::move(dtype);
       return handle;
@@ -250,12 +287,12 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
 
 Status Pool::WaitUnpinned(std::unique_lock<std::mutex>& lock,
                           int64_t timeout_ns, int64_t index) {
-  // By index, not by pointer: while the lock is released, Allocate may grow
-  // objects_ and Close may clear it.
+  // By index, not by pointer: while the lock is released, the object may
+  // be freed and Close may clear objects_.
   auto idle = [&] {
     if (index < 0) return total_pins_ == 0;
-    return static_cast<size_t>(index) >= objects_.size() ||
-           objects_[index].pins == 0;
+    auto it = objects_.find(static_cast<uint32_t>(index));
+    return it == objects_.end() || it->second.pins == 0;
   };
   if (!unpinned_cv_.wait_for(
           lock, std::chrono::nanoseconds(std::min(timeout_ns, kMaxTimeoutNs)),
@@ -276,15 +313,16 @@ Status Pool::Free(int32_t handle, int64_t timeout_ns) {
   std::unique_lock<std::mutex> lock(mu_);
   StatusOr<Object*> found = Lookup(handle);
   if (!found.ok()) return found.status();
-  Status waited = WaitUnpinned(lock, timeout_ns,
-                               static_cast<uint32_t>(handle) & kIndexMask);
+  Status waited = WaitUnpinned(lock, timeout_ns, IndexOf(handle));
   if (!waited.ok()) {
-    return Status(Code::kTimeout, "cannot free handle " +
-                                      std::to_string(handle) + ": " +
-                                      waited.message());
+    found = Lookup(handle);
+    return Status(Code::kTimeout,
+                  "cannot free " +
+                      (found.ok() ? Label(handle, **found)
+                                  : "handle " + std::to_string(handle)) +
+                      ": " + waited.message());
   }
-  // The wait released the lock: the handle may have been freed meanwhile,
-  // and the object may have moved (objects_ grew).
+  // The wait released the lock: the handle may have been freed meanwhile.
   found = Lookup(handle);
   if (!found.ok()) return found.status();
   Object* object = *found;
@@ -292,12 +330,8 @@ Status Pool::Free(int32_t handle, int64_t timeout_ns) {
   const uint64_t old_top = arena.allocator->extents().top();
   JCXL_RETURN_IF_ERROR(arena.allocator->Free(object->allocation));
   ReleaseTop(arena, old_top);
-  object->live = false;
-  object->shape.clear();
-  object->dtype.clear();
-  object->generation =
-      object->generation == kMaxGeneration ? 1 : object->generation + 1;
-  free_indices_.push_back(static_cast<uint32_t>(handle) & kIndexMask);
+  objects_.erase(IndexOf(handle));
+  HandleSpace::Get().Give(handle);
   return Status::Ok();
 }
 
@@ -335,7 +369,8 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
   request.record.handle = handle;
   request.record.tier = object->tier;
   request.record.node = arena.node;
-  const uint32_t index = static_cast<uint32_t>(handle) & kIndexMask;
+  request.label = Label(handle, *object);
+  const uint32_t index = IndexOf(handle);
   const int tier_index = object->tier;
   request.on_complete = [this, index, tier_index, direction,
                          bytes](const Status&) {
@@ -352,7 +387,8 @@ void Pool::Unpin(uint32_t index, int tier, Direction direction,
                  uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    --objects_[index].pins;
+    auto it = objects_.find(index);
+    if (it != objects_.end()) --it->second.pins;  // pinned: never freed
     --total_pins_;
     if (direction == Direction::kFromPool) {
       tiers_[tier].bytes_read += bytes;
@@ -379,6 +415,13 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Read(int32_t handle, void* dst,
                   Direction::kFromPool);
 }
 
+std::string Pool::Label(int32_t handle, const Object& object) {
+  return "handle " + std::to_string(handle) + " (" +
+         TierName(static_cast<TierKind>(object.tier)) + " tier, shape " +
+         ShapeString(object.shape) + ", " +
+         (object.dtype.empty() ? "bytes" : object.dtype) + ")";
+}
+
 ObjectInfo Pool::InfoOf(int32_t handle, const Object& object) {
   const TierArena& arena = tiers_[object.tier].arenas[object.arena];
   ObjectInfo info;
@@ -403,12 +446,11 @@ StatusOr<ObjectInfo> Pool::Info(int32_t handle) {
 std::vector<int32_t> Pool::Handles() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> handles;
-  for (uint32_t i = 0; i < objects_.size(); ++i) {
-    if (objects_[i].live) {
-      handles.push_back(
-          static_cast<int32_t>((objects_[i].generation << kIndexBits) | i));
-    }
-  }
+  handles.reserve(objects_.size());
+  for (const auto& [index, object] : objects_) handles.push_back(object.handle);
+  std::sort(handles.begin(), handles.end(), [](int32_t a, int32_t b) {
+    return IndexOf(a) < IndexOf(b);
+  });
   return handles;
 }
 
@@ -449,8 +491,8 @@ Status Pool::Compact(int64_t timeout_ns) {
           if (!moved.ok() && result.ok()) result = moved;
           remap.emplace(move.from, move.to);
         }
-        for (Object& object : objects_) {
-          if (!object.live || object.allocation.is_slab() ||
+        for (auto& [index, object] : objects_) {
+          if (object.allocation.is_slab() ||
               object.tier != static_cast<int>(tier.kind) ||
               object.arena != static_cast<int>(a)) {
             continue;
@@ -517,6 +559,20 @@ Status Pool::SetLink(TierKind kind, double bytes_per_second,
   return Status::Ok();
 }
 
+Status Pool::InjectFault(const FaultSpec& spec) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_ || !engine_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
+  }
+  engine_->InjectFault(spec);
+  return Status::Ok();
+}
+
+uint64_t Pool::faults_injected() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_ ? engine_->faults_injected() : 0;
+}
+
 Status Pool::Close(int64_t timeout_ns) {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {
@@ -536,8 +592,10 @@ Status Pool::Close(int64_t timeout_ns) {
   if (!config_.nvme_dir.empty() && !config_.keep_nvme_files) {
     rmdir(config_.nvme_dir.c_str());
   }
+  for (const auto& [index, object] : objects_) {
+    HandleSpace::Get().Give(object.handle);
+  }
   objects_.clear();
-  free_indices_.clear();
   return waited.ok() ? Status::Ok()
                      : Status(Code::kTimeout,
                               "pool closed, but " + waited.message() +

@@ -6,6 +6,9 @@
 // (Pool::Find) holds weak references so that FFI handlers can reach a pool
 // by its id without keeping it alive. Close() fails new requests, waits for
 // transfers in flight, then releases every arena.
+//
+// Handles are unique in the process, not only in their pool, so a handle of
+// one pool is rejected by every other (see HandleSpace in pool.cc).
 #ifndef JCXL_FFI_POOL_H_
 #define JCXL_FFI_POOL_H_
 
@@ -14,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "allocator.h"
@@ -109,6 +113,10 @@ class Pool {
   std::vector<TransferRecord> DrainRecords();
   // Changes an emulated link (a slower or shared link mid-run).
   Status SetLink(TierKind tier, double bytes_per_second, int64_t latency_ns);
+  // A test hook: makes chosen transfers fail or stall (see
+  // CopyEngine::InjectFault), to check that every waiter gets an error.
+  Status InjectFault(const FaultSpec& spec);
+  uint64_t faults_injected();
   Status Close(int64_t timeout_ns);
   bool closed();
   const PoolConfig& config() const { return config_; }
@@ -129,8 +137,7 @@ class Pool {
     uint64_t bytes_written = 0;
   };
   struct Object {
-    uint32_t generation = 1;
-    bool live = false;
+    int32_t handle = 0;
     int tier = 0;
     int arena = 0;
     Allocation allocation;
@@ -144,6 +151,7 @@ class Pool {
   // Resolves a handle; caller holds mu_.
   StatusOr<Object*> Lookup(int32_t handle);
   StatusOr<int32_t> AllocateIn(int tier, uint64_t bytes);
+  std::string Label(int32_t handle, const Object& object);
   StatusOr<std::shared_ptr<Ticket>> Transfer(int32_t handle, void* buffer,
                                              uint64_t bytes, uint64_t offset,
                                              int priority, uint64_t chunk_bytes,
@@ -163,8 +171,8 @@ class Pool {
   bool compacting_ = false;
   int total_pins_ = 0;
   Tier tiers_[kNumTiers];
-  std::vector<Object> objects_;
-  std::vector<uint32_t> free_indices_;
+  // Live objects by handle index (node-based: an Object never moves).
+  std::unordered_map<uint32_t, Object> objects_;
   std::unique_ptr<CopyEngine> engine_;
 };
 

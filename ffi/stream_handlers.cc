@@ -51,6 +51,37 @@ ffi::Error Fail(const char* handler, const std::string& message) {
                     std::string(handler) + ": " + message);
 }
 
+// The XLA error code for a pool Status: the step's exception starts with its
+// name (DEADLINE_EXCEEDED for a timeout, DATA_LOSS for a failed read or
+// write, FAILED_PRECONDITION for a closed pool).
+ffi::ErrorCode ErrorCodeOf(Code code) {
+  switch (code) {
+    case Code::kNotFound:
+      return ffi::ErrorCode::kNotFound;
+    case Code::kExhausted:
+      return ffi::ErrorCode::kResourceExhausted;
+    case Code::kClosed:
+      return ffi::ErrorCode::kFailedPrecondition;
+    case Code::kTimeout:
+      return ffi::ErrorCode::kDeadlineExceeded;
+    case Code::kIo:
+      return ffi::ErrorCode::kDataLoss;
+    case Code::kInvalidArgument:
+      return ffi::ErrorCode::kInvalidArgument;
+    default:
+      return ffi::ErrorCode::kInternal;
+  }
+}
+
+ffi::Error Fail(const char* handler, const Status& status) {
+  return ffi::Error(ErrorCodeOf(status.code()),
+                    std::string(handler) + ": " + status.message());
+}
+
+// How long a `done` whose wait timed out gives the cancelled copy to stop
+// before the step fails and XLA may reuse the buffer.
+constexpr int64_t kCancelGraceNs = 2'000'000'000;
+
 // Copies in flight, by the address of the buffer they read or write.
 class InFlight {
  public:
@@ -59,7 +90,9 @@ class InFlight {
     return *table;
   }
   // A buffer address is reused only once XLA freed the buffer; if a failed
-  // step left a copy behind at this address, finish it before reusing it.
+  // step left a copy behind at this address, stop it and let it finish
+  // before the new one may run (cancelled, it ends after the chunk it is
+  // on).
   void Add(const void* address, std::shared_ptr<Ticket> ticket) {
     std::shared_ptr<Ticket> stale;
     {
@@ -70,7 +103,16 @@ class InFlight {
         it->second = std::move(ticket);
       }
     }
-    if (stale) stale->Wait(INT64_MAX);
+    if (stale) {
+      stale->Cancel();
+      stale->Wait(INT64_MAX);
+    }
+  }
+  // Puts back a copy that is still running after its `done` gave up, so the
+  // next transfer into this address waits for it (see Add).
+  void Restore(const void* address, std::shared_ptr<Ticket> ticket) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tickets_.try_emplace(address, std::move(ticket));
   }
   std::shared_ptr<Ticket> Take(const void* address) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -112,12 +154,13 @@ ffi::ErrorOr<Target> Resolve(const char* handler, int32_t pool_id,
   Target target;
   target.pool = Pool::Find(pool_id);
   if (!target.pool) {
-    return Unexpected(handler, "pool " + std::to_string(pool_id) +
-                             " is closed or was never opened");
+    return Unexpected(handler, Status(Code::kClosed,
+                                      "pool " + std::to_string(pool_id) +
+                                          " is closed or was never opened"));
   }
   target.handle = handle.typed_data()[0];
   StatusOr<ObjectInfo> info = target.pool->Info(target.handle);
-  if (!info.ok()) return Unexpected(handler, info.status().message());
+  if (!info.ok()) return Unexpected(handler, info.status());
   auto name = [&] { return "handle " + std::to_string(target.handle); };
   const char* dtype = DTypeName(buffer.element_type());
   if (info->dtype != dtype) {
@@ -201,10 +244,14 @@ ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
   Status status = ticket->Wait(timeout_ms * 1000000);
   LogWait(ticket, started, NowNs());
   if (!status.ok()) {
-    return ffi::Error(status.code() == Code::kTimeout
-                          ? ffi::ErrorCode::kDeadlineExceeded
-                          : ffi::ErrorCode::kInternal,
-                      std::string(handler) + ": " + status.message());
+    if (!ticket->done()) {
+      // The step fails here and XLA frees the buffer: stop the copy first.
+      ticket->Cancel();
+      if (!ticket->Wait(kCancelGraceNs).ok() && !ticket->done()) {
+        InFlight::Get().Restore(address, ticket);
+      }
+    }
+    return Fail(handler, status);
   }
   return ffi::Error::Success();
 }
@@ -220,7 +267,7 @@ ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Read(
       target->handle, out->untyped_data(), out->size_bytes(), target->offset,
       priority, static_cast<uint64_t>(chunk_bytes));
-  if (!ticket.ok()) return Fail("jcxl_fetch_start", ticket.status().message());
+  if (!ticket.ok()) return Fail("jcxl_fetch_start", ticket.status());
   InFlight::Get().Add(out->untyped_data(), std::move(*ticket));
   return ffi::Error::Success();
 }
@@ -260,7 +307,7 @@ ffi::Error StoreStartImpl(ffi::Buffer<ffi::S32> handle,
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Write(
       target->handle, out->untyped_data(), out->size_bytes(), target->offset,
       priority, static_cast<uint64_t>(chunk_bytes));
-  if (!ticket.ok()) return Fail("jcxl_store_start", ticket.status().message());
+  if (!ticket.ok()) return Fail("jcxl_store_start", ticket.status());
   InFlight::Get().Add(out->untyped_data(), std::move(*ticket));
   return ffi::Error::Success();
 }

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Builds the C++ core's unit tests (ffi/tests) twice, under AddressSanitizer +
-# UndefinedBehaviorSanitizer and under ThreadSanitizer, runs each build with
-# ctest, and exits non-zero on any failed test or sanitizer report. Needs only
-# a C++17 compiler with sanitizer runtimes and CMake (no Python, no jax).
+# UndefinedBehaviorSanitizer (LeakSanitizer on: a leak fails the run) and
+# under ThreadSanitizer, runs each build with ctest, then fuzzes the core
+# (tools/fuzz.sh: at least 10^5 operations per target under ASan + UBSan),
+# and exits non-zero on any failed test, broken invariant or sanitizer
+# report. Needs only a C++17 compiler with sanitizer runtimes and CMake (no
+# Python, no jax); the fuzzers use clang's libFuzzer where it is or can be
+# installed, else a random driver (see tools/fuzz.sh).
 #
-#   tools/cpp_tests.sh            # both builds, into build/asan and build/tsan
+#   tools/cpp_tests.sh            # all three, into build/asan, build/tsan and
+#                                 # build/fuzz-*
 #   tools/cpp_tests.sh tsan       # only one of them
 #   JOBS=4 tools/cpp_tests.sh     # parallel compile and test jobs (default:
 #                                 # the number of CPUs)
@@ -13,7 +18,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 jobs="${JOBS:-$(nproc)}"
 builds=("$@")
-if [[ ${#builds[@]} -eq 0 ]]; then builds=(asan tsan); fi
+if [[ ${#builds[@]} -eq 0 ]]; then builds=(asan tsan fuzz); fi
 
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
@@ -33,14 +38,45 @@ run_ctest() {  # dir [prefix command...]; output also into dir/ctest.out
     -j "${jobs}" 2>&1 | tee "${dir}/ctest.out"
 }
 
+# LeakSanitizer must be live in the asan build, or leaks pass unnoticed (it
+# cannot run under ptrace, for one): a program that leaks on purpose must
+# fail with its report.
+check_leak_detection() {  # dir
+  local canary="$1/lsan_canary"
+  printf '%s\n' '#include <cstdlib>' \
+    'void* volatile kept;' \
+    'int main() { kept = std::malloc(77); kept = nullptr; return 0; }' \
+    >"${canary}.cc"
+  "${CXX:-c++}" -fsanitize=address -g "${canary}.cc" -o "${canary}"
+  if "${canary}" >"${canary}.out" 2>&1 ||
+    ! grep -q "ERROR: LeakSanitizer: detected memory leaks" "${canary}.out"; then
+    echo "LeakSanitizer did not report a deliberate leak (${canary}.out):" \
+      "leaks in the tests would go unnoticed" >&2
+    return 1
+  fi
+  echo "=== asan: LeakSanitizer is on (a deliberate leak was reported)"
+}
+
 failures=()
 summaries=()
 for build in "${builds[@]}"; do
   case "${build}" in
     asan) sanitize="address,undefined" ;;
     tsan) sanitize="thread" ;;
+    fuzz)
+      start=${SECONDS}
+      status=0
+      mkdir -p "${root}/build"
+      JOBS="${jobs}" bash "${root}/tools/fuzz.sh" 2>&1 |
+        tee "${root}/build/fuzz.out" || status=$?
+      result="$(grep -E "operations in" "${root}/build/fuzz.out" |
+        grep -v "inputs" | sed 's/^ *//' | paste -sd ';' -)"
+      summaries+=("fuzz: ${result:-no result} ($((SECONDS - start)) s, exit ${status})")
+      if [[ ${status} -ne 0 ]]; then failures+=("fuzz"); fi
+      continue
+      ;;
     *)
-      echo "unknown build '${build}': expected asan or tsan" >&2
+      echo "unknown build '${build}': expected asan, tsan or fuzz" >&2
       exit 2
       ;;
   esac
@@ -74,6 +110,9 @@ for build in "${builds[@]}"; do
     echo "=== ${build}: sanitizer reports in ${log}:" >&2
     grep -E "${report_pattern}" "${log}" | sort | uniq -c >&2
     status=1
+  fi
+  if [[ "${build}" == asan ]]; then
+    check_leak_detection "${dir}" || status=1
   fi
   result="$(grep -E "tests passed" "${dir}/ctest.out" || echo "no result")"
   times="build $((built - start)) s, tests $((SECONDS - built)) s"

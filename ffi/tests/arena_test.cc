@@ -3,7 +3,10 @@
 // under concurrent writers, and the file's lifetime.
 #include "arena.h"
 
+#include <errno.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -311,6 +314,119 @@ TEST(FileArenaFileIsRemovedUnlessKept) {
   struct stat st;
   CHECK_EQ(stat(kept.c_str(), &st), 0);
   CHECK_EQ(static_cast<uint64_t>(st.st_size), kBlockBytes);
+}
+
+// Someone else cuts the file short: the bytes cut off read as an error
+// naming the file (never as zeros, never SIGBUS), the rest still reads
+// back, and writing the lost bytes again makes them whole.
+TEST(FileArenaTruncatedBehindItsBackFailsReadsOfTheLostBytes) {
+  TempDir dir(BuildDir());
+  CHECK(dir.ok());
+  std::unique_ptr<FileArena> arena = NewFileArena(dir.path() + "/arena");
+  Buffer bounce(Arena::BounceBytes(1 * kMiB));
+  const std::vector<char> low = Pattern(1 * kMiB, 1);
+  const std::vector<char> high = Pattern(1 * kMiB, 2);
+  CHECK_OK(arena->Write(0, low.data(), low.size(), bounce.data));
+  CHECK_OK(arena->Write(1 * kMiB, high.data(), high.size(), bounce.data));
+  CHECK_EQ(truncate(arena->path().c_str(), 1 * kMiB + 4096), 0);
+  std::vector<char> back(1 * kMiB);
+  CHECK_OK(arena->Read(0, back.data(), back.size(), bounce.data));
+  CHECK(back == low);
+  Status lost = arena->Read(1 * kMiB, back.data(), back.size(), bounce.data);
+  CHECK_CODE(lost, Code::kIo);
+  CHECK_CONTAINS(lost.message(), arena->path());
+  CHECK_CONTAINS(lost.message(), "behind the pool's back");
+  CHECK_EQ(arena->lost_bytes(), 1 * kMiB - 4096);
+  CHECK_CONTAINS(arena->Describe(), "lost");
+  // The part below the cut is intact.
+  CHECK_OK(arena->Read(1 * kMiB, back.data(), 4096, bounce.data));
+  CHECK(std::memcmp(back.data(), high.data(), 4096) == 0);
+  // Cut to nothing, then a write that grows the file again: the hole it
+  // leaves below must not read as zeros.
+  CHECK_EQ(truncate(arena->path().c_str(), 0), 0);
+  CHECK_OK(arena->Write(3 * kMiB, high.data(), 4096, bounce.data));
+  CHECK_CODE(arena->Read(0, back.data(), 4096, bounce.data), Code::kIo);
+  CHECK_CODE(arena->Read(1 * kMiB, back.data(), 4096, bounce.data), Code::kIo);
+  // Written again: whole again.
+  CHECK_OK(arena->Write(0, low.data(), low.size(), bounce.data));
+  CHECK_OK(arena->Read(0, back.data(), back.size(), bounce.data));
+  CHECK(back == low);
+  CHECK_EQ(arena->lost_bytes(), 1 * kMiB);
+  // Released (freed) ranges are no longer lost either.
+  arena->Release(1 * kMiB, 2 * kMiB);
+  CHECK_EQ(arena->lost_bytes(), 0u);
+}
+
+// A write that the file system refuses (here: the process's file size limit
+// makes write() fail with EFBIG, as a full disk fails it with ENOSPC) is an
+// error naming the file; what was written before still reads back.
+TEST(FileArenaWriteRefusedByTheFileSystemFails) {
+  TempDir dir(BuildDir());
+  CHECK(dir.ok());
+  std::unique_ptr<FileArena> arena = NewFileArena(dir.path() + "/arena");
+  Buffer bounce(Arena::BounceBytes(1 * kMiB));
+  const std::vector<char> data = Pattern(1 * kMiB, 3);
+  CHECK_OK(arena->Write(0, data.data(), data.size(), bounce.data));
+  struct rlimit saved;
+  CHECK_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  void (*saved_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = saved;
+  limit.rlim_cur = 2 * kMiB;
+  CHECK_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  const Status refused =
+      arena->Write(2 * kMiB - 4096, data.data(), data.size(), bounce.data);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  signal(SIGXFSZ, saved_handler);
+  CHECK_CODE(refused, Code::kIo);
+  CHECK_CONTAINS(refused.message(), arena->path());
+  CHECK_CONTAINS(refused.message(), std::strerror(EFBIG));
+  std::vector<char> back(data.size());
+  CHECK_OK(arena->Read(0, back.data(), back.size(), bounce.data));
+  CHECK(back == data);
+}
+
+// The arena removes its own file only: not one that took its name after
+// the original was removed.
+TEST(FileArenaRemovesOnlyItsOwnFile) {
+  TempDir dir(BuildDir());
+  CHECK(dir.ok());
+  const std::string path = dir.path() + "/arena";
+  {
+    std::unique_ptr<FileArena> arena = NewFileArena(path);
+    Buffer bounce(Arena::BounceBytes(4096));
+    const std::vector<char> data = Pattern(4096, 4);
+    CHECK_OK(arena->Write(0, data.data(), data.size(), bounce.data));
+    CHECK_EQ(unlink(path.c_str()), 0);
+    // Removed, yet still readable through the open file.
+    std::vector<char> back(4096);
+    CHECK_OK(arena->Read(0, back.data(), back.size(), bounce.data));
+    CHECK(back == data);
+    FILE* other = std::fopen(path.c_str(), "w");
+    CHECK(other != nullptr);
+    std::fclose(other);
+  }
+  CHECK(Exists(path));
+}
+
+// An existing file or symbolic link where the arena's file goes is refused
+// and left alone (O_CREAT | O_EXCL).
+TEST(FileArenaRefusesAnExistingLink) {
+  TempDir dir(BuildDir());
+  CHECK(dir.ok());
+  const std::string target = dir.path() + "/target";
+  const std::string link = dir.path() + "/arena";
+  FILE* file = std::fopen(target.c_str(), "w");
+  CHECK(file != nullptr);
+  std::fputs("keep me", file);
+  std::fclose(file);
+  CHECK_EQ(symlink(target.c_str(), link.c_str()), 0);
+  StatusOr<std::unique_ptr<FileArena>> arena = FileArena::Create(link, false);
+  CHECK_CODE(arena, Code::kIo);
+  struct stat st;
+  CHECK_EQ(stat(target.c_str(), &st), 0);
+  CHECK_EQ(st.st_size, 7);
+  CHECK_EQ(lstat(link.c_str(), &st), 0);
+  CHECK(S_ISLNK(st.st_mode));
 }
 
 TEST(FileArenaInMissingDirectoryFails) {

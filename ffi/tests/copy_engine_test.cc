@@ -433,6 +433,134 @@ TEST(DestroyingTheEngineFailsQueuedWorkAndNeverHangs) {
   }
 }
 
+TEST(InjectedFailureMovesNoByteAndNamesTheTransfer) {
+  TestArena arena(1 * kMiB);
+  CopyEngine engine(2, 64 * kKiB, {});
+  FaultSpec fault;
+  fault.kind = FaultSpec::Kind::kFail;
+  fault.skip = 1;  // the second matching transfer
+  fault.direction = static_cast<int>(Direction::kToPool);
+  engine.InjectFault(fault);
+  const std::vector<char> data = Pattern(200 * kKiB, 5);
+  std::vector<char> back(data.size());
+  auto write = [&](uint64_t offset) {
+    TransferRequest request = Request(&arena, offset,
+                                      const_cast<char*>(data.data()),
+                                      data.size(), Direction::kToPool);
+    request.record.handle = 42;
+    request.label = "handle 42 (test tier)";
+    return engine.Submit(std::move(request));
+  };
+  // A read does not match the direction, so it neither fails nor counts.
+  CHECK_OK(engine.Submit(Request(&arena, 0, back.data(), 4096,
+                                 Direction::kFromPool))
+               ->Wait(kLongWaitNs));
+  CHECK_OK(write(0)->Wait(kLongWaitNs));
+  auto failed = write(512 * kKiB);
+  const Status status = failed->Wait(kLongWaitNs);
+  CHECK_CODE(status, Code::kIo);
+  CHECK_CONTAINS(status.message(), "injected fault");
+  CHECK_CONTAINS(status.message(), "handle 42 (test tier)");
+  CHECK(!failed->record().ok);
+  CHECK_EQ(engine.faults_injected(), 1u);
+  for (uint64_t i = 512 * kKiB; i < 512 * kKiB + data.size(); ++i) {
+    CHECK_EQ(static_cast<int>(arena.data()[i]), 0);  // not a byte moved
+  }
+  CHECK_OK(write(512 * kKiB)->Wait(kLongWaitNs));  // count was 1
+  CHECK(std::memcmp(arena.data() + 512 * kKiB, data.data(), data.size()) ==
+        0);
+}
+
+TEST(InjectedStallTimesOutAndCancellingEndsIt) {
+  TestArena arena(1 * kMiB);
+  CopyEngine engine(2, 64 * kKiB, {});
+  FaultSpec fault;
+  fault.kind = FaultSpec::Kind::kStall;
+  fault.tier = 2;
+  engine.InjectFault(fault);
+  std::memset(arena.data(), 9, 1 * kMiB);
+  std::vector<char> stalled_buffer(4096, 0);
+  TransferRequest request = Request(&arena, 0, stalled_buffer.data(),
+                                    stalled_buffer.size(),
+                                    Direction::kFromPool);
+  request.record.tier = 2;
+  request.label = "handle 7 (nvme tier, shape (4096,), uint8)";
+  auto stalled = engine.Submit(std::move(request));
+  // Transfers of other tiers, and the other worker, go on meanwhile.
+  std::vector<char> other(256 * kKiB);
+  CHECK_OK(engine.Submit(Request(&arena, 4096, other.data(), other.size(),
+                                 Direction::kFromPool))
+               ->Wait(kLongWaitNs));
+  const int64_t start = NowNs();
+  const Status waited = stalled->Wait(50 * kMs);
+  CHECK_CODE(waited, Code::kTimeout);
+  CHECK_GE(NowNs() - start, 50 * kMs);
+  CHECK_CONTAINS(waited.message(), "handle 7 (nvme tier");
+  CHECK_CONTAINS(waited.message(), "did not finish within 50 ms");
+  const int64_t cancelled_at = NowNs();
+  stalled->Cancel();
+  const Status ended = stalled->Wait(kLongWaitNs);
+  CHECK_LT(NowNs() - cancelled_at, 5000 * kMs);
+  CHECK_CODE(ended, Code::kTimeout);
+  CHECK_CONTAINS(ended.message(), "cancelled");
+  CHECK(std::all_of(stalled_buffer.begin(), stalled_buffer.end(),
+                    [](char c) { return c == 0; }));  // never written
+}
+
+TEST(InjectedStallIsReleasedByTheNextFault) {
+  TestArena arena(1 * kMiB);
+  CopyEngine engine(1, 64 * kKiB, {});
+  FaultSpec fault;
+  fault.kind = FaultSpec::Kind::kStall;
+  fault.count = -1;
+  engine.InjectFault(fault);
+  std::vector<char> buffer(128 * kKiB);
+  auto first = engine.Submit(Request(&arena, 0, buffer.data(), buffer.size(),
+                                     Direction::kFromPool));
+  CHECK_CODE(first->Wait(20 * kMs), Code::kTimeout);
+  engine.InjectFault(FaultSpec{});  // clears the fault, releases the stall
+  CHECK_OK(first->Wait(kLongWaitNs));
+  CHECK_OK(engine.Submit(Request(&arena, 0, buffer.data(), buffer.size(),
+                                 Direction::kFromPool))
+               ->Wait(kLongWaitNs));
+  CHECK_EQ(engine.faults_injected(), 1u);
+}
+
+TEST(DestroyingTheEngineEndsAnInjectedStall) {
+  TestArena arena(1 * kMiB);
+  auto engine = std::make_unique<CopyEngine>(1, 64 * kKiB, std::vector<int>{});
+  FaultSpec fault;
+  fault.kind = FaultSpec::Kind::kStall;
+  engine->InjectFault(fault);
+  std::vector<char> buffer(4096);
+  auto stalled = engine->Submit(Request(&arena, 0, buffer.data(),
+                                        buffer.size(), Direction::kToPool));
+  CHECK_CODE(stalled->Wait(20 * kMs), Code::kTimeout);
+  const int64_t start = NowNs();
+  engine.reset();
+  CHECK_LT(NowNs() - start, 5000 * kMs);
+  const Status status = stalled->Wait(0);
+  CHECK_CODE(status, Code::kClosed);
+  CHECK_CONTAINS(status.message(), "stalled");
+}
+
+TEST(CancellingCutsAnEmulatedLinkWaitShort) {
+  std::unique_ptr<MemoryArena> memory = NewMemoryArena(2 * kMiB);
+  CopyEngine engine(1, 1 * kMiB, {});
+  LinkModel link(1e6, 0);  // 1 MB/s: a 1 MiB transfer takes about a second
+  std::vector<char> buffer(1 * kMiB);
+  TransferRequest request = Request(memory.get(), 0, buffer.data(),
+                                    buffer.size(), Direction::kFromPool);
+  request.link = &link;
+  auto ticket = engine.Submit(std::move(request));
+  CHECK_CODE(ticket->Wait(20 * kMs), Code::kTimeout);
+  const int64_t start = NowNs();
+  ticket->Cancel();
+  ticket->Wait(kLongWaitNs);
+  CHECK(ticket->done());
+  CHECK_LT(NowNs() - start, 500 * kMs);
+}
+
 TEST(DestroyingAnIdleEngineReturns) {
   for (int threads : {1, 4}) {
     auto start = NowNs();

@@ -219,12 +219,21 @@ TEST(StaleHandleAfterSlotReuseIsRejected) {
   PoolConfig config;
   config.tiers[0].capacity = 1 * kMiB;
   std::shared_ptr<Pool> pool = NewPool(config);
+  constexpr int32_t kIndexMask = (1 << 22) - 1;
   const int32_t first = Alloc(*pool, TierKind::kHost, 64);
   CHECK_OK(pool->Free(first, kLongWaitNs));
-  const int32_t second = Alloc(*pool, TierKind::kHost, 64);
+  // Freed indices are reused oldest first, across every pool of the
+  // process: allocate and free until `first`'s index comes round again.
+  int32_t second = Alloc(*pool, TierKind::kHost, 64);
+  for (int i = 0; i < 100000 && (second & kIndexMask) != (first & kIndexMask);
+       ++i) {
+    CHECK(second != first);
+    CHECK_OK(pool->Free(second, kLongWaitNs));
+    second = Alloc(*pool, TierKind::kHost, 64);
+  }
   CHECK(second != first);
   // Same slot, next generation.
-  CHECK_EQ(second & ((1 << 22) - 1), first & ((1 << 22) - 1));
+  CHECK_EQ(second & kIndexMask, first & kIndexMask);
   CHECK_CODE(pool->Info(first), Code::kNotFound);
   CHECK_CODE(pool->Free(first, kLongWaitNs), Code::kNotFound);
   const std::vector<char> data = Pattern(64, 1);
@@ -243,6 +252,52 @@ TEST(StaleHandleAfterSlotReuseIsRejected) {
     handle = next;
   }
   CHECK_OK(pool->Info(handle));
+}
+
+// A handle names one object of one pool: every other pool rejects it, open
+// or closed, whatever objects it holds, and its own objects stay intact.
+TEST(ForeignHandlesAreRejected) {
+  TempDir dir_a, dir_b;
+  std::shared_ptr<Pool> a = NewPool(ThreeTiers(dir_a.path()));
+  std::shared_ptr<Pool> b = NewPool(ThreeTiers(dir_b.path()));
+  std::vector<int32_t> handles_a, handles_b;
+  std::vector<std::vector<char>> data_b;
+  for (int i = 0; i < 30; ++i) {
+    const TierKind tier = static_cast<TierKind>(i % 3);
+    const uint64_t bytes = i % 2 ? 100 + i : 70 * kKiB + i;
+    handles_a.push_back(Alloc(*a, tier, bytes));
+    handles_b.push_back(Alloc(*b, tier, bytes));
+    data_b.push_back(Pattern(bytes, i));
+    CHECK_OK(WriteNow(*b, handles_b.back(), data_b.back()));
+  }
+  std::vector<char> buffer(64, 7);
+  auto rejected_by_b = [&](int32_t foreign) {
+    CHECK_CODE(b->Info(foreign), Code::kNotFound);
+    CHECK_CODE(b->Read(foreign, buffer.data(), 16, 0, 0, 0), Code::kNotFound);
+    CHECK_CODE(b->Write(foreign, buffer.data(), 16, 0, 0, 0),
+               Code::kNotFound);
+    CHECK_CODE(b->PageNodes(foreign), Code::kNotFound);
+    CHECK_CODE(b->Free(foreign, kLongWaitNs), Code::kNotFound);
+  };
+  for (int32_t h : handles_a) {
+    rejected_by_b(h);
+    CHECK_OK(a->Info(h));
+  }
+  for (int32_t h : handles_b) CHECK_CODE(a->Info(h), Code::kNotFound);
+  const Status message = b->Info(handles_a[0]).status();
+  CHECK_CONTAINS(message.message(), "another pool's");
+  // Freed in A, or A closed: still nothing B answers to.
+  CHECK_OK(a->Free(handles_a[0], kLongWaitNs));
+  rejected_by_b(handles_a[0]);
+  CHECK_OK(a->Close(kLongWaitNs));
+  for (int32_t h : handles_a) rejected_by_b(h);
+  // B's objects never changed.
+  for (size_t i = 0; i < handles_b.size(); ++i) {
+    StatusOr<std::vector<char>> back =
+        ReadNow(*b, handles_b[i], data_b[i].size());
+    CHECK_OK(back);
+    CHECK(*back == data_b[i]);
+  }
 }
 
 TEST(FullTierIsExhaustedWithTierName) {
@@ -576,6 +631,77 @@ TEST(ConcurrentWritersAndReaders) {
     CHECK_EQ(tier.arenas[0].allocator.live, 0u);
   }
   CHECK_OK(pool->Close(kLongWaitNs));
+}
+
+// Transfers that fail or never finish: every waiter gets an error naming
+// the object within its timeout, the pool closes in bounded time, and the
+// objects no fault touched keep their bytes.
+TEST(InjectedFaultsAreBoundedAndLeaveOtherObjectsIntact) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  std::vector<std::pair<int32_t, std::vector<char>>> stored;
+  for (int i = 0; i < 6; ++i) {
+    const uint64_t bytes = 50 * kKiB + 1000 * i;
+    const int32_t h = Alloc(*pool, static_cast<TierKind>(i % 3), bytes);
+    stored.emplace_back(h, Pattern(bytes, 100 + i));
+    CHECK_OK(WriteNow(*pool, h, stored.back().second));
+  }
+  auto intact = [&] {
+    for (auto& [h, data] : stored) {
+      StatusOr<std::vector<char>> back = ReadNow(*pool, h, data.size());
+      CHECK_OK(back);
+      CHECK(*back == data);
+    }
+  };
+  FaultSpec fail;
+  fail.kind = FaultSpec::Kind::kFail;
+  fail.tier = static_cast<int>(TierKind::kNvme);
+  fail.direction = static_cast<int>(Direction::kFromPool);
+  CHECK_OK(pool->InjectFault(fail));
+  const int32_t on_disk = stored[2].first;
+  StatusOr<std::vector<char>> failed =
+      ReadNow(*pool, on_disk, stored[2].second.size());
+  CHECK_CODE(failed, Code::kIo);
+  CHECK_CONTAINS(failed.status().message(),
+                 "handle " + std::to_string(on_disk) + " (nvme tier");
+  intact();
+
+  FaultSpec stall;
+  stall.kind = FaultSpec::Kind::kStall;
+  stall.tier = static_cast<int>(TierKind::kCxl);
+  CHECK_OK(pool->InjectFault(stall));
+  const int32_t victim = Alloc(*pool, TierKind::kCxl, 4096);
+  const std::vector<char> data = Pattern(4096, 9);
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool->Write(victim, data.data(), data.size(), 0, 0, 0);
+  CHECK_OK(ticket);
+  const Status timed_out = (*ticket)->Wait(50 * kMs);
+  CHECK_CODE(timed_out, Code::kTimeout);
+  CHECK_CONTAINS(timed_out.message(), "(cxl tier");
+  CHECK_CONTAINS(timed_out.message(), "50 ms");
+  const Status busy = pool->Free(victim, 50 * kMs);
+  CHECK_CODE(busy, Code::kTimeout);
+  CHECK_CONTAINS(busy.message(), "cannot free handle " +
+                                     std::to_string(victim) + " (cxl tier");
+  (*ticket)->Cancel();
+  CHECK_CODE((*ticket)->Wait(kLongWaitNs), Code::kTimeout);
+  CHECK_OK(pool->Free(victim, kLongWaitNs));
+  CHECK_EQ(pool->faults_injected(), 2u);
+  CHECK_OK(pool->InjectFault(FaultSpec{}));
+  intact();
+
+  // Closing with a transfer stalled: bounded by the close timeout.
+  CHECK_OK(pool->InjectFault(stall));
+  std::vector<char> buffer(16);
+  StatusOr<std::shared_ptr<Ticket>> stuck =
+      pool->Read(stored[1].first, buffer.data(), buffer.size(), 0, 0, 0);
+  CHECK_OK(stuck);
+  const int64_t start = NowNs();
+  const Status closed = pool->Close(100 * kMs);
+  CHECK_LT(NowNs() - start, 5000 * kMs);
+  CHECK_CODE(closed, Code::kTimeout);
+  CHECK_CODE((*stuck)->Wait(0), Code::kClosed);
+  CHECK(!Exists(dir.path()));
 }
 
 // Close while other threads still use the pool: each call either works or

@@ -26,11 +26,20 @@ class PoolClosedError(JcxlError, RuntimeError):
 
 
 class TransferTimeoutError(JcxlError, TimeoutError):
-  """A transfer did not finish within its deadline."""
+  """A transfer did not finish within its deadline (the pool's `timeout_s`).
+
+  The message names the object and the time waited; the transfer is
+  cancelled, so what it had not moved yet it never moves.
+  """
 
 
 class TierIOError(JcxlError, OSError):
-  """The nvme tier's file system failed a read or a write."""
+  """The nvme tier failed a read or a write.
+
+  Its file system refused it (full, over a file size limit, an I/O error),
+  or its file was cut short behind the pool's back; the message names the
+  object, the file and the cause.
+  """
 
 
 class InternalError(JcxlError, RuntimeError):

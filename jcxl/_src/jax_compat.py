@@ -3,6 +3,8 @@ between JAX releases, and this is the one place to adapt."""
 
 from __future__ import annotations
 
+import jax
+from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src import ffi as _ffi
 
@@ -16,6 +18,20 @@ def allow_ffi_effects_in_remat() -> None:
   """
   _effects.remat_allowed_effects.add_type(_ffi.FfiEffect)
   _effects.custom_derivatives_allowed_effects.add_type(_ffi.FfiEffect)
+
+
+def effects_barrier() -> None:
+  """Waits for the computations with side effects dispatched so far.
+
+  As ``jax.effects_barrier``, but a failed one (a step whose fetch timed
+  out) is reported once: JAX keeps its error and raises it again from every
+  later barrier, and at exit, until another such computation replaces it.
+  """
+  try:
+    jax.effects_barrier()
+  except Exception:
+    _dispatch.runtime_tokens.clear()
+    raise
 
 
 def literal_type():

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
 from jcxl._src.pool import Pool
@@ -230,14 +231,15 @@ def gather(tree: Any) -> Any:
   """Brings every PoolArray of `tree` back as a ``jax.Array``.
 
   It first waits for the steps already dispatched (an offloaded step's
-  stores may still be writing the objects).
+  stores may still be writing the objects); if one of them failed, its
+  error is raised here (once).
 
   Example:
     >>> params = jcxl.gather(params)  # ordinary arrays again
   """
   if any(isinstance(x, PoolArray) for x in jax.tree_util.tree_leaves(
       tree, is_leaf=lambda x: isinstance(x, PoolArray))):
-    jax.effects_barrier()
+    jax_compat.effects_barrier()  # raises a failed step's error, once
   return jax.tree_util.tree_map(
       lambda x: gather_one(x) if isinstance(x, PoolArray) else x, tree,
       is_leaf=lambda x: isinstance(x, PoolArray))
