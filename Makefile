@@ -8,7 +8,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # that rebuilds after an edit take seconds, without build isolation.
 BUILD_REQS := "scikit-build-core>=0.10" "nanobind>=2.4" cmake ninja jax jaxlib
 
-.PHONY: setup train demo test test-python test-cpp clean
+.PHONY: setup vm-setup train demo test test-python test-cpp clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,13 @@ train: setup
 demo: setup
 	$(PY) -m experiments.pool_bandwidth
 
-test: setup test-cpp test-python
+# What tests/vm_test.py needs to boot VMs: QEMU, a kernel and the CXL tools
+# (apt-get, each only when missing) and virtme-ng in .vm-venv. A failure here
+# does not stop the other tests; the VM tests then fail and say why.
+vm-setup:
+	-VM_VENV=$(abspath .vm-venv) bash tools/vm_setup.sh
+
+test: setup vm-setup test-cpp test-python
 
 test-python:
 	$(PY) -m pytest -q

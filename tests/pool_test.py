@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import jcxl
 import ml_dtypes
 import numpy as np
 import pytest
+from jcxl._src import pool as pool_lib
 from jcxl._src import topology as topology_lib
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "sysfs")
@@ -129,6 +131,67 @@ class PlacementTest:
   def test_unknown_node_rejected(self):
     with pytest.raises(ValueError, match="7"):
       jcxl.Pool(host="8MiB", cxl=0, node=7)
+
+
+class FirmwareLinkTest:
+  """The cxl tier's link from HMAT, on sysfs trees saved from VM guests."""
+
+  def test_one_hmat_node_is_a_real_tier_with_its_figures(self):
+    topo = topology_lib.discover(os.path.join(FIXTURES, "vm_hmat1"))
+    with jcxl.Pool(host="8MiB", cxl="8MiB", topology=topo, node=0) as pool:
+      stats = pool.stats()["cxl"]
+      assert not stats.emulated and stats.nodes == (1,)
+      assert stats.link_source == "HMAT"
+      assert stats.firmware_links == (
+          pool_lib.FirmwareLink(node=1, read_bandwidth=10 * 2**30,
+                                read_latency_s=250e-9),)
+      assert stats.label() == (
+          "cxl (nodes [1], kernel memory tiers [4]; link from HMAT: node 1 "
+          "10.7 GB/s 250 ns)")
+      assert "EMULATED" not in str(pool.stats())
+      assert pool.link_estimate("cxl") == jcxl.LinkModel(10 * 2**30, 250e-9)
+      assert pool.stats()["host"].link_source is None
+
+  def test_two_hmat_nodes_add_up_and_share_by_bandwidth(self):
+    topo = topology_lib.discover(os.path.join(FIXTURES, "vm_hmat2"))
+    with jcxl.Pool(host="8MiB", cxl="96MiB", topology=topo, node=0) as pool:
+      stats = pool.stats()["cxl"]
+      assert stats.nodes == (1, 2) and stats.link_source == "HMAT"
+      assert stats.firmware_link == jcxl.LinkModel(30 * 2**30, 350e-9)
+      assert "node 1 21.5 GB/s 250 ns, node 2 10.7 GB/s 350 ns" in (
+          stats.label())
+      handles = [pool.put(np.ones(1 << 20, np.uint8), "cxl")
+                 for _ in range(24)]
+      nodes = [pool.info(h).node for h in handles]
+      assert nodes.count(1) == 16 and nodes.count(2) == 8
+
+  def test_cxl_region_without_hmat_is_measured(self):
+    topo = topology_lib.discover(os.path.join(FIXTURES, "vm_cxl_region"))
+    (node,) = topo.cxl_nodes
+    with jcxl.Pool(host="8MiB", cxl="8MiB", topology=topo, node=0) as pool:
+      stats = pool.stats()["cxl"]
+      assert not stats.emulated and stats.nodes == (node.id,)
+      assert stats.link_source is None and stats.firmware_link is None
+      assert stats.memory_tiers == (node.memory_tier,)
+      assert "HMAT" not in stats.label()
+
+  def test_emulated_tier_keeps_its_label(self):
+    topo = topology_lib.discover(os.path.join(FIXTURES, "vm_hmat1"))
+    with jcxl.Pool(host="8MiB", cxl="8MiB", topology=topo, node=0,
+                   emulate_cxl=True) as pool:
+      stats = pool.stats()["cxl"]
+      assert stats.emulated and stats.link_source == "EMULATED"
+      assert stats.firmware_links == ()
+      assert stats.label().startswith("cxl (EMULATED on DRAM of nodes [0]")
+
+  def test_hmat_on_some_nodes_only_gives_no_firmware_link(self, tmp_path):
+    root = tmp_path / "sys"
+    shutil.copytree(os.path.join(FIXTURES, "vm_hmat2"), root)
+    shutil.rmtree(root / "devices/system/node/node2/access0")
+    topo = topology_lib.discover(root)
+    with jcxl.Pool(host="8MiB", cxl="8MiB", topology=topo, node=0) as pool:
+      assert pool.stats()["cxl"].firmware_links == ()
+      assert pool.stats()["cxl"].link_source is None
 
 
 class LinkModelTest:

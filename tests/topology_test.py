@@ -15,6 +15,10 @@ from jcxl._src import topology
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "sysfs"
 ONE_NODE = FIXTURES / "one_node"
 TWO_SOCKET = FIXTURES / "two_socket_two_cxl"
+# Saved from the QEMU guests of tests/vm_test.py (kernel 6.1).
+VM_HMAT1 = FIXTURES / "vm_hmat1"
+VM_HMAT2 = FIXTURES / "vm_hmat2"
+VM_CXL_REGION = FIXTURES / "vm_cxl_region"
 NODE_DIR = pathlib.Path("devices", "system", "node")
 GIB = 2**30
 
@@ -234,6 +238,83 @@ class TwoSocketFixtureTest:
         "14", "24", "10", "26",
     ]
 
+
+class VmFixturesTest:
+  """Trees a real kernel showed: CPU-less nodes from HMAT and a CXL region."""
+
+  @pytest.mark.parametrize("root", [VM_HMAT1, VM_HMAT2, VM_CXL_REGION],
+                           ids=lambda p: p.name)
+  def test_saved_as_plain_files(self, root):
+    paths = list(root.rglob("*"))
+    assert paths and not any(p.is_symlink() for p in paths)
+
+  def test_one_cpu_less_node_with_hmat(self):
+    topo = topology.discover(VM_HMAT1)
+    assert topo.node_ids == (0, 1)
+    assert [n.cpus for n in topo.nodes] == [(0, 1), ()]
+    assert [n.id for n in topo.cxl_nodes] == [1]
+    assert topo.node(0).hmat == topology.Hmat(
+        read_bandwidth_mbps=20480,
+        write_bandwidth_mbps=20480,
+        read_latency_ns=100,
+        write_latency_ns=100,
+    )
+    assert topo.node(1).hmat == topology.Hmat(
+        read_bandwidth_mbps=10240,
+        write_bandwidth_mbps=10240,
+        read_latency_ns=250,
+        write_latency_ns=250,
+    )
+    assert topo.distance(0, 1) == topo.distance(1, 0) == 20
+    # Kernel 6.1 puts every node in the default tier whatever HMAT says.
+    assert [n.memory_tier for n in topo.nodes] == [4, 4]
+    assert topo.nearest_cxl_nodes(0) == (1,)
+    assert not topo.node(1).cxl_confirmed  # no /sys/bus/cxl in this guest
+    assert 0.9 * GIB < topo.node(1).memory_bytes <= GIB
+
+  def test_two_cpu_less_nodes_with_hmat(self):
+    topo = topology.discover(VM_HMAT2)
+    assert [n.id for n in topo.cxl_nodes] == [1, 2]
+    assert [n.hmat.read_bandwidth_mbps for n in topo.nodes] == [
+        40960, 20480, 10240,
+    ]
+    assert [n.hmat.read_latency_ns for n in topo.nodes] == [100, 250, 350]
+    assert topo.nearest_cxl_nodes(0) == (1, 2)
+    assert [topo.distance(0, n) for n in (1, 2)] == [20, 25]
+    assert topo.distance(1, 2) == 30
+    assert not any(n.cxl_confirmed for n in topo.nodes)
+
+  def test_cxl_region_onlined_as_system_ram(self):
+    topo = topology.discover(VM_CXL_REGION)
+    assert topo.node_ids == (0, 1)
+    (node,) = topo.cxl_nodes
+    assert node.id == 1 and node.cpus == () and node.hmat is None
+    assert node.cxl_confirmed and not topo.node(0).cxl_confirmed
+    # device-dax memory goes to a slower kernel tier than DRAM.
+    assert [n.memory_tier for n in topo.nodes] == [4, 22]
+    assert 0 < node.memory_bytes <= 256 * 2**20
+    assert "yes" in topo.summary().splitlines()[3].split()
+
+  def test_cxl_region_confirmed_by_a_later_block_of_its_range(self):
+    # The devdax namespace's metadata takes the region's start: its first
+    # 128 MiB block stays offline and node 1 holds the second only.
+    region = VM_CXL_REGION / "bus" / "cxl" / "devices" / "region0"
+    start = int((region / "resource").read_text(), 16)
+    block_size = int(
+        (VM_CXL_REGION / "devices/system/memory/block_size_bytes").read_text(),
+        16,
+    )
+    node1 = VM_CXL_REGION / NODE_DIR / "node1"
+    assert not (node1 / f"memory{start // block_size}").exists()
+    assert (node1 / f"memory{start // block_size + 1}").exists()
+
+  def test_block_outside_the_region_confirms_nothing(self, tmp_path):
+    root = _copy(VM_CXL_REGION, tmp_path)
+    region = root / "bus" / "cxl" / "devices" / "region0"
+    _write(region / "size", "0x8000000\n")  # its first block only
+    assert not topology.discover(root).node(1).cxl_confirmed
+    (region / "size").unlink()  # without a size: the first block only
+    assert not topology.discover(root).node(1).cxl_confirmed
 
 class CxlConfirmationTest:
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from jcxl import _jcxl
+from jcxl._src import errors
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
 from jcxl._src.units import format_bandwidth
@@ -93,6 +97,41 @@ class LinkModel:
 DEFAULT_CXL_LINK = LinkModel(bandwidth="16GB/s", latency_s=2e-6)
 
 
+# ACPI HMAT states bandwidths in "MB/s"; QEMU writes a configured
+# bandwidth=10G (2**30 bytes/s) as 10240, so a megabyte here is 2**20 bytes.
+_HMAT_MEGABYTE = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class FirmwareLink:
+  """How fast the firmware says one memory node is, from its initiators.
+
+  Attributes:
+    node: The NUMA node.
+    read_bandwidth: Read bandwidth, bytes per second.
+    read_latency_s: Read latency, seconds (0 where the firmware gives none).
+    source: Where the figures came from ('HMAT').
+  """
+  node: int
+  read_bandwidth: float
+  read_latency_s: float
+  source: str = "HMAT"
+
+  @classmethod
+  def from_node(cls, node: topology_lib.NumaNode) -> FirmwareLink | None:
+    """The node's HMAT access figures, or None without a read bandwidth."""
+    hmat = node.hmat
+    if hmat is None or not hmat.read_bandwidth_mbps:
+      return None
+    return cls(node=node.id,
+               read_bandwidth=float(hmat.read_bandwidth_mbps * _HMAT_MEGABYTE),
+               read_latency_s=(hmat.read_latency_ns or 0) / 1e9)
+
+  def __str__(self) -> str:
+    return (f"node {self.node} {format_bandwidth(self.read_bandwidth)} "
+            f"{self.read_latency_s * 1e9:.0f} ns")
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
   """Where one pool object lives."""
@@ -127,17 +166,52 @@ class TierStats:
   emulated: bool
   link: LinkModel | None
   backing: tuple[str, ...]
+  memory_tiers: tuple[int | None, ...] = ()
+  firmware_links: tuple[FirmwareLink, ...] = ()
 
   @property
   def objects(self) -> int:
     return self.slab_objects + self.extent_objects
+
+  @property
+  def link_source(self) -> str | None:
+    """Where the tier's link figures come from.
+
+    'EMULATED' (the link model of an emulated tier), 'HMAT' (a real tier
+    whose every node has firmware figures), or None (a real tier without
+    them: `Pool.link_estimate` measures it).
+    """
+    if self.emulated:
+      return "EMULATED"
+    if self.firmware_links:
+      return self.firmware_links[0].source
+    return None
+
+  @property
+  def firmware_link(self) -> LinkModel | None:
+    """The firmware figures of the tier's nodes as one link, or None.
+
+    Objects are spread over the nodes by their bandwidth, so the bandwidths
+    add up; the latency is the slowest node's.
+    """
+    if not self.firmware_links:
+      return None
+    return LinkModel(
+        bandwidth=sum(f.read_bandwidth for f in self.firmware_links),
+        latency_s=max(f.read_latency_s for f in self.firmware_links))
 
   def label(self) -> str:
     """The tier's name with how it is backed: 'cxl (EMULATED: ...)'."""
     if self.tier is Tier.NVME:
       return f"nvme ({', '.join(self.backing)})"
     if not self.emulated:
-      return f"{self.tier.value} (nodes {list(self.nodes)})"
+      text = f"{self.tier.value} (nodes {list(self.nodes)}"
+      if any(t is not None for t in self.memory_tiers):
+        text += f", kernel memory tiers {list(self.memory_tiers)}"
+      if self.firmware_links:
+        text += f"; link from {self.link_source}: " + ", ".join(
+            str(f) for f in self.firmware_links)
+      return text + ")"
     link = f"link {self.link}" if self.link else "no link model"
     return (f"{self.tier.value} (EMULATED on DRAM of nodes "
             f"{list(self.nodes)}, {link})")
@@ -197,6 +271,20 @@ class TransferRecord:
     return (self.finished_ns - self.started_ns) * 1e-9
 
 
+# Copies cancelled after their wait timed out, with their host buffers: a
+# chunk already under way may still touch a buffer, so it lives until then.
+_CANCEL_GRACE_S = 2.0
+_abandoned: list[tuple[Any, np.ndarray]] = []
+_abandoned_lock = threading.Lock()
+
+
+def _keep_until_done(ticket: Any, buffer: np.ndarray) -> None:
+  with _abandoned_lock:
+    _abandoned[:] = [(t, b) for t, b in _abandoned if not t.done()]
+    if not ticket.done():
+      _abandoned.append((ticket, buffer))
+
+
 class Transfer:
   """An asynchronous copy in flight; ``wait()`` until it is done.
 
@@ -214,10 +302,27 @@ class Transfer:
   def wait(self, timeout_s: float | None = None) -> np.ndarray:
     """Waits for the copy and returns its host buffer.
 
+    A copy that times out is cancelled: what it had not moved yet it never
+    moves, so its destination (the buffer, or the object for a write) is
+    left partly written, and nothing else is touched.
+
     Raises:
-      TransferTimeoutError: the copy did not finish within `timeout_s`.
+      TransferTimeoutError: the copy did not finish within `timeout_s` (the
+        pool's `timeout_s` by default); the message names the object and
+        the time waited.
+      TierIOError: the nvme tier's file system failed the copy.
+      PoolClosedError: the pool was closed before the copy ran.
     """
-    self._ticket.wait(self._timeout_s if timeout_s is None else timeout_s)
+    try:
+      self._ticket.wait(self._timeout_s if timeout_s is None else timeout_s)
+    except errors.TransferTimeoutError:
+      self._ticket.cancel()
+      try:  # a cancelled copy stops after the chunk it is on
+        self._ticket.wait(_CANCEL_GRACE_S)
+      except errors.JcxlError:
+        pass
+      _keep_until_done(self._ticket, self._buffer)
+      raise
     return self._buffer
 
   @property
@@ -225,6 +330,7 @@ class Transfer:
     return TransferRecord.from_tuple(self._ticket.record())
 
 
+@functools.lru_cache(maxsize=None)
 def _dtype_from_name(name: str) -> np.dtype:
   if hasattr(ml_dtypes, name):
     return np.dtype(getattr(ml_dtypes, name))
@@ -296,6 +402,29 @@ def _timed(fn) -> float:
   return time.perf_counter() - start
 
 
+def _remove_private_dir(path: str) -> None:
+  """Removes the pool's own directory, even if its mode was changed."""
+  if not os.path.islink(path) and os.path.isdir(path):
+    try:
+      os.chmod(path, stat.S_IRWXU)
+    except OSError:
+      pass
+  shutil.rmtree(path, ignore_errors=True)
+
+
+def _close_at_exit(native: Any, nvme_dir: str | None,
+                   timeout_s: float) -> None:
+  """Closes a pool that was never closed (collected, or at exit)."""
+  try:
+    if not native.closed:
+      native.close(timeout_s)
+  except errors.JcxlError as e:
+    logger.warning("jcxl: closing a pool left open: %s", e)
+  finally:
+    if nvme_dir:
+      _remove_private_dir(nvme_dir)
+
+
 class Pool:
   """A tiered memory pool outside the accelerator.
 
@@ -312,7 +441,8 @@ class Pool:
     cxl: capacity of the ``cxl`` tier; 0: off.
     nvme: capacity of the ``nvme`` tier; 0: off.
     nvme_dir: directory for the nvme tier; the pool makes a private (0700)
-      directory inside it and removes it on close unless `keep_nvme_files`.
+      directory inside it and removes it on close (a pool never closed: when
+      it is collected, or at interpreter exit) unless `keep_nvme_files`.
     cxl_link: link model of an emulated cxl tier (default
       ``DEFAULT_CXL_LINK``); used only where no CXL node exists, unless
       `emulate_cxl` forces emulation.
@@ -323,7 +453,9 @@ class Pool:
     chunk_bytes: size of the pieces large copies are split into.
     topology: the machine's NUMA topology (default: discovered from /sys).
     node: NUMA node of the device the pool serves (default: this process's).
-    timeout_s: default deadline of each transfer and of ``close()``.
+    timeout_s: default deadline of each transfer (a jitted step's waits
+      included: past it the step fails with DEADLINE_EXCEEDED), of ``free()``
+      and ``compact()`` waiting for transfers, and of ``close()``.
   """
 
   def __init__(self,
@@ -373,6 +505,7 @@ class Pool:
                             self.topology.node(node).cpus)
     self._links: dict[Tier, LinkModel | None] = {}
     self._measured_links: dict[Tier, LinkModel] = {}
+    self._firmware_links: dict[Tier, tuple[FirmwareLink, ...]] = {}
     self._nvme_dir = None
     for tier, capacity in capacities.items():
       tier_config = _jcxl.TierConfig()
@@ -390,10 +523,16 @@ class Pool:
     except BaseException:
       self._remove_nvme_dir()
       raise
+    # A pool left open is closed when it is collected or, at the latest, at
+    # interpreter exit, so its nvme files never outlive the process.
+    self._finalizer = weakref.finalize(
+        self, _close_at_exit, self._pool,
+        None if self._keep_nvme_files else self._nvme_dir, self._timeout_s)
     self.id = self._pool.id
     registry.add_pool(self)
-    for tier in self.stats().emulated:
-      logger.info("jcxl pool %d: %s", self.id, self.stats()[tier].label())
+    for tier_stats in self.stats().tiers.values():
+      if tier_stats.enabled and tier_stats.link_source is not None:
+        logger.info("jcxl pool %d: %s", self.id, tier_stats.label())
 
   def _configure_tier(self, tier: Tier, config: Any,
                       cxl_link: LinkModel | None, emulate_cxl: bool) -> None:
@@ -405,12 +544,22 @@ class Pool:
       if cxl_nodes and not emulate_cxl:
         config.nodes = list(cxl_nodes)
         config.weights = [self._node_weight(n) for n in cxl_nodes]
+        firmware = [FirmwareLink.from_node(self.topology.node(n))
+                    for n in cxl_nodes]
+        if all(firmware):  # figures for some nodes only add up to nothing
+          self._firmware_links[tier] = tuple(firmware)
         if cxl_link is not None:  # an extra cap the user asked for
           self._set_link(config, tier, cxl_link)
       else:
         config.nodes = [home]
         config.emulated = True
         self._set_link(config, tier, cxl_link or DEFAULT_CXL_LINK)
+
+  def _memory_tier(self, node: int) -> int | None:
+    try:
+      return self.topology.node(node).memory_tier
+    except ValueError:  # an unbound arena (node -1)
+      return None
 
   def _node_weight(self, node: int) -> float:
     hmat = self.topology.node(node).hmat
@@ -455,7 +604,11 @@ class Pool:
     try:
       self.put_async(handle, host, priority=priority).wait()
     except BaseException:
-      self._pool.free(handle, self._timeout_s)
+      try:
+        self._pool.free(handle, self._timeout_s)
+      except errors.JcxlError as e:  # the first error is the one to see
+        logger.warning("jcxl pool %d: could not free handle %d after a "
+                       "failed put: %s", self.id, handle, e)
       raise
     return handle
 
@@ -563,6 +716,9 @@ class Pool:
                           raw["link_latency_ns"] * 1e-9)
                 if raw["link_bytes_per_second"] > 0 else None),
           backing=tuple(a["description"] for a in arenas),
+          memory_tiers=(() if raw["emulated"] or tier is Tier.NVME else
+                        tuple(self._memory_tier(a["node"]) for a in arenas)),
+          firmware_links=self._firmware_links.get(tier, ()),
       )
     return PoolStats(pool_id=self.id, tiers=tiers)
 
@@ -573,13 +729,18 @@ class Pool:
   def link_estimate(self, tier: str | Tier) -> LinkModel:
     """How fast `tier` moves bytes into a step, for planning.
 
-    An emulated tier's link model as set now; for a real tier, the read
-    bandwidth of a 16 MiB object measured once (best of three) and kept.
+    An emulated tier's link model as set now; for a real tier, its nodes'
+    firmware (HMAT) figures where every node has them (see
+    `TierStats.firmware_link`), else the read bandwidth of a 16 MiB object
+    measured once (best of three) and kept.
     """
     tier = as_tier(tier)
     link = self._links.get(tier)
     if link is not None:
       return link
+    firmware = self.stats()[tier].firmware_link
+    if firmware is not None:
+      return firmware
     if tier not in self._measured_links:
       probe = np.ones(16 << 20, np.uint8)
       handle = self.put(probe, tier)
@@ -589,6 +750,29 @@ class Pool:
         self.free(handle)
       self._measured_links[tier] = LinkModel(probe.nbytes / best, 0.0)
     return self._measured_links[tier]
+
+  def _inject_fault(self, kind: str | None, *, tier: str | Tier | None = None,
+                    direction: str | None = None, skip: int = 0,
+                    count: int = 1) -> None:
+    """Test hook: makes chosen transfers fail or stall.
+
+    From the next transfer on, those matching `tier` and `direction` ('read':
+    pool to buffer, 'write': buffer to pool; None: any) are counted; after
+    `skip` of them, the next `count` (-1: all) fail without moving a byte
+    (``TierIOError``) or stall until cancelled (their wait times out), the
+    next call of this method, or close. ``kind=None`` clears the fault and
+    releases stalled transfers.
+    """
+    kinds = {None: 0, "fail": 1, "stall": 2}
+    directions = {None: -1, "write": 0, "read": 1}
+    if kind not in kinds:
+      raise ValueError(f"kind must be None, 'fail' or 'stall', got {kind!r}")
+    if direction not in directions:
+      raise ValueError(
+          f"direction must be None, 'read' or 'write', got {direction!r}")
+    self._pool.inject_fault(kinds[kind],
+                            -1 if tier is None else as_tier(tier).index,
+                            directions[direction], int(skip), int(count))
 
   def set_link(self, tier: str | Tier, link: LinkModel) -> None:
     """Changes a tier's emulated link mid-run (e.g. a shared, slower link)."""
@@ -609,15 +793,21 @@ class Pool:
     return self._nvme_dir
 
   def close(self) -> None:
-    """Releases every tier; raises ``PoolClosedError`` if already closed."""
+    """Releases every tier; raises ``PoolClosedError`` if already closed.
+
+    Transfers in flight get the pool's `timeout_s` to finish; those still
+    running then are failed (``TransferTimeoutError`` says how many waited),
+    and the pool is closed all the same.
+    """
     try:
       self._pool.close(self._timeout_s)
     finally:
       self._remove_nvme_dir()
+      self._finalizer.detach()
 
   def _remove_nvme_dir(self) -> None:
     if self._nvme_dir and not self._keep_nvme_files:
-      shutil.rmtree(self._nvme_dir, ignore_errors=True)
+      _remove_private_dir(self._nvme_dir)
 
   def __enter__(self) -> Pool:
     return self

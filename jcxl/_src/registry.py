@@ -7,11 +7,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-import jax
-
 from jcxl import _jcxl
 from jcxl._src import errors
-from jcxl._src import jax_compat
 
 if TYPE_CHECKING:
   from jcxl._src.pool import Pool
@@ -37,6 +34,12 @@ def find_pool(pool_id: int, *, what: str = "a PoolArray") -> Pool:
 
 def register_ffi_targets() -> None:
   """Registers jcxl's XLA FFI targets for the CPU platform (once)."""
+  # Imported here, not above: the pool, which imports this module, works
+  # without jax (in a VM under software emulation, importing jax takes
+  # minutes).
+  import jax  # pylint: disable=g-import-not-at-top
+  from jcxl._src import jax_compat  # pylint: disable=g-import-not-at-top
+
   global _ffi_registered
   with _lock:
     if _ffi_registered:

@@ -38,6 +38,7 @@ LOCAL_DISTANCE = 10
 _TIER_RE = re.compile(r"memory_tier(\d+)")
 _REGION_RE = re.compile(r"region(\d+)")
 _DAX_REGION_RE = re.compile(r"dax_region(\d+)")
+_MEMORY_BLOCK_RE = re.compile(r"memory(\d+)")
 _DAX_DEVICE_RE = re.compile(r"dax(\d+)\.(\d+)")
 _PCI_ADDRESS_RE = re.compile(
     r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])"
@@ -412,9 +413,13 @@ def _cxl_nodes(root: str, node_ids: tuple[int, ...]) -> frozenset[int]:
   Two ways, both from sysfs-bus-cxl / sysfs-bus-dax:
   - A RAM region handed to the kernel through device-dax (kmem) has
     `dax_regionZ/daxZ.Y/target_node`, the node its memory went to.
-  - A region's `resource` (its host physical base) lies in a memory block;
-    the node holding that block lists it as `nodeN/memoryB`. This also covers
-    regions that firmware onlined as ordinary RAM, with no dax device.
+  - A region spans host physical addresses [`resource`, `resource` + `size`);
+    a node holding a memory block in that range lists it as `nodeN/memoryB`.
+    This also covers regions that firmware onlined as ordinary RAM, with no
+    dax device, and PMEM regions onlined through an NVDIMM namespace, whose
+    dax device sits on the nvdimm bus: the namespace's metadata takes the
+    start of the region, whose first memory block then stays offline, so
+    any block in the range counts.
   """
   devices_dir = os.path.join(root, _CXL_DEVICES_DIR)
   entries = _listdir(devices_dir)
@@ -431,6 +436,7 @@ def _cxl_nodes(root: str, node_ids: tuple[int, ...]) -> frozenset[int]:
       if text is not None:
         confirmed.add(_parse_int(text, path))
 
+  node_blocks = None  # {node id: its memory blocks}, listed when needed
   block_text = _read_optional(
       os.path.join(root, _MEMORY_DIR, "block_size_bytes")
   )
@@ -446,13 +452,28 @@ def _cxl_nodes(root: str, node_ids: tuple[int, ...]) -> frozenset[int]:
       if text is None:
         continue
       # An unassigned region reads 0xffffffffffffffff: no such block exists.
-      block = f"memory{_parse_int(text, path, 16) // block_size}"
+      start = _parse_int(text, path, 16)
+      size_path = os.path.join(devices_dir, name, "size")
+      size_text = _read_optional(size_path)
+      size = 1 if size_text is None else _parse_int(size_text, size_path, 16)
+      first = start // block_size
+      last = (start + max(size, 1) - 1) // block_size
       for node_id in node_ids:
-        if os.path.exists(
-            os.path.join(root, _NODE_DIR, f"node{node_id}", block)
-        ):
+        if node_blocks is None:
+          node_blocks = {n: _memory_blocks(root, n) for n in node_ids}
+        if any(first <= block <= last for block in node_blocks[node_id]):
           confirmed.add(node_id)
   return frozenset(confirmed & set(node_ids))
+
+
+def _memory_blocks(root: str, node_id: int) -> tuple[int, ...]:
+  """The memory blocks a node lists (`nodeN/memoryB`), by one listdir."""
+  names = _listdir(os.path.join(root, _NODE_DIR, f"node{node_id}"))
+  return tuple(
+      int(match.group(1))
+      for match in map(_MEMORY_BLOCK_RE.fullmatch, names)
+      if match is not None
+  )
 
 
 def _single_node(root: str, proc_root: str) -> Topology:
