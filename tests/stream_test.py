@@ -325,3 +325,32 @@ class StreamedScanTest:
         prefetch=prefetch))(pw, xs)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
       assert np.array_equal(a, b)
+
+
+class RowBlocksTest:
+  """Blocks of rows of one object: the last may be shorter; no other."""
+
+  def test_blocks_round_trip_and_bad_block_fails(self, pool):
+    from jcxl._src.pool_array import RowBlocks
+    table = np.arange(50 * 8, dtype=np.float32).reshape(50, 8)
+    x = jcxl.place(table, "cxl", pool=pool)
+    assert RowBlocks(x, 16).shape == (3, 16, 8)
+    assert RowBlocks(x, 16, tail=True).shape == (4, 2, 8)
+    # Views are made inside the traced step (as cxl_offload makes them).
+    read = jax.jit(lambda x, i, tail: jcxl.fetch(RowBlocks(x, 16, tail), i),
+                   static_argnums=2)
+    np.testing.assert_array_equal(read(x, 2, False), table[32:48])
+    np.testing.assert_array_equal(read(x, 3, True), table[48:50])
+    # Doubled in place, block by block.
+    double = jax.jit(lambda x, i, tail: jcxl.store(
+        RowBlocks(x, 16, tail), jcxl.fetch(RowBlocks(x, 16, tail), i) * 2,
+        i), static_argnums=2)
+    for i in range(3):
+      double(x, i, False)
+    double(x, 3, True)
+    np.testing.assert_array_equal(jcxl.gather(x), table * 2)
+    # A block past the end is refused by the copy engine, not read.
+    with pytest.raises(Exception, match="has no block 3 of 16 rows"):
+      jax.block_until_ready(read(x, 3, False))
+    with pytest.raises(ValueError, match="no last block"):
+      RowBlocks(jcxl.place(table[:48], "cxl", pool=pool), 16, tail=True)
