@@ -555,7 +555,7 @@ def markdown(config: Config, title: str, rows: list[dict],
       best = result["largest"]
       out.append(
           f"| {mode} | {best.model if best else 'nothing fits'} | "
-          f"{_fmt(best.params / 1e6 if best else None, '.1f')}M | "
+          f"{f'{best.params / 1e6:.1f}M' if best else '-'} | "
           f"{format_bytes(best.need.total) if best else '-'} | "
           f"{result['stopped_by']} |")
   out += ["", "cxl_dap against ssd, measured here beside the paper's "
