@@ -42,6 +42,7 @@ from jcxl._src import errors
 from jcxl._src import orbax_compat
 from jcxl._src import registry
 from jcxl._src.placement import _check_devices
+from jcxl._src.placement import store_shards
 from jcxl._src.pool import Pool
 from jcxl._src.pool import Tier
 from jcxl._src.pool import as_tier
@@ -278,7 +279,7 @@ class _ShardReads:
   def __init__(self, info: ocp.type_handlers.ParamInfo, arg: _ToPool,
                store: ts.TensorStore):
     self.info, self.arg, self._store = info, arg, store
-    self._devices, self._handle_sharding = device_grid(arg.sharding)
+    self._devices, _ = device_grid(arg.sharding)
     _check_devices(arg.pool, self._devices, arg.path)
     index_map = arg.sharding.devices_indices_map(tuple(arg.shape))
     local_ids = {d.id for d in jax.local_devices()}
@@ -306,32 +307,23 @@ class _ShardReads:
           pool.put_async(existing[device.id],
                          np.asarray(shard, dtype=dtype)).wait()
       return arg.into
-    handles = np.zeros(self._devices.shape, np.int32)
-    local = []
+    by_device = {device.id: shard
+                 for members, shard in zip(self._holders.values(), data)
+                 for _, device, _ in members}
     try:
-      for members, shard in zip(self._holders.values(), data):
-        shard = np.asarray(shard, dtype=dtype)
-        for position, device, _ in members:
-          try:
-            handle = pool.put(shard, arg.tier)
-          except errors.PoolExhaustedError as e:
-            raise errors.PoolExhaustedError(
-                f"restoring {arg.path or self.info.name} "
-                f"({format_bytes(shard.nbytes)} per shard) into tier "
-                f"{arg.tier.value!r} of pool {pool.id}: {e}; the leaves "
-                "restored so far were freed, the pool holds what it held "
-                "before") from e
-          handles[position] = handle
-          local.append((device.id, handle))
-    except BaseException:
-      for _, handle in local:
-        pool.free(handle)
-      raise
-    handle_array = jax.make_array_from_callback(
-        handles.shape, self._handle_sharding, lambda index: handles[index])
-    return PoolArray(handle_array, pool_id=pool.id, shape=tuple(arg.shape),
-                     dtype=dtype, sharding=arg.sharding, tier=arg.tier,
-                     path=arg.path, local_handles=tuple(local))
+      return store_shards(
+          lambda device: np.asarray(by_device[device.id], dtype=dtype),
+          pool=pool, tier=arg.tier, sharding=arg.sharding,
+          shape=tuple(arg.shape), dtype=dtype, path=arg.path)
+    except errors.PoolExhaustedError as e:
+      shard_bytes = (int(np.prod(arg.sharding.shard_shape(tuple(arg.shape))))
+                     * dtype.itemsize)
+      raise errors.PoolExhaustedError(
+          f"restoring {arg.path or self.info.name} "
+          f"({format_bytes(shard_bytes)} per shard) into tier "
+          f"{arg.tier.value!r} of pool {pool.id}: {e}; the leaves "
+          "restored so far were freed, the pool holds what it held "
+          "before") from e
 
 
 def _pytree_handler() -> ocp.PyTreeCheckpointHandler:

@@ -12,7 +12,7 @@ Memory kinds:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -110,38 +110,49 @@ def _check_devices(pool: Pool, devices: np.ndarray, path: str) -> None:
           f"pool {pool.id} serves node {pool.node}; use a pool per node")
 
 
-def to_pool(leaf: Any, tier: Tier, pool: Pool,
-            sharding: jax.sharding.Sharding, path: str) -> PoolArray:
-  """Stores `leaf` in `pool`, one object per device of `sharding`."""
-  value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
+                 tier: Tier, sharding: jax.sharding.Sharding,
+                 shape: tuple[int, ...], dtype: Any, path: str) -> PoolArray:
+  """A PoolArray of one new object per local device of `sharding`, each
+  holding ``shard_of(device)``. If any put fails, the objects made so far
+  are freed and the error raised: the pool holds what it held before."""
   devices, handle_sharding = device_grid(sharding)
   _check_devices(pool, devices, path)
-  index_map = sharding.devices_indices_map(tuple(value.shape))
   handles = np.zeros(devices.shape, np.int32)
   local = []
   local_ids = {d.id for d in jax.local_devices()}
-  shards = {}
-  if isinstance(value, jax.Array):
-    shards = {s.device.id: s.data for s in value.addressable_shards}
   try:
     for position, device in np.ndenumerate(devices):
-      if device.id not in local_ids:
-        continue
-      shard = shards.get(device.id)
-      if shard is None or shard.shape != sharding.shard_shape(value.shape):
-        shard = np.asarray(value)[index_map[device]]
-      handle = pool.put(np.asarray(shard), tier)
-      handles[position] = handle
-      local.append((device.id, handle))
+      if device.id in local_ids:
+        handles[position] = pool.put(shard_of(device), tier)
+        local.append((device.id, int(handles[position])))
   except BaseException:
     for _, handle in local:
       pool.free(handle)
     raise
   handle_array = jax.make_array_from_callback(
       handles.shape, handle_sharding, lambda index: handles[index])
-  return PoolArray(handle_array, pool_id=pool.id, shape=value.shape,
-                   dtype=value.dtype, sharding=sharding, tier=tier,
-                   path=path, local_handles=tuple(local))
+  return PoolArray(handle_array, pool_id=pool.id, shape=tuple(shape),
+                   dtype=dtype, sharding=sharding, tier=tier, path=path,
+                   local_handles=tuple(local))
+
+
+def to_pool(leaf: Any, tier: Tier, pool: Pool,
+            sharding: jax.sharding.Sharding, path: str) -> PoolArray:
+  """Stores `leaf` in `pool`, one object per device of `sharding`."""
+  value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+  index_map = sharding.devices_indices_map(tuple(value.shape))
+  shards = {}
+  if isinstance(value, jax.Array):
+    shards = {s.device.id: s.data for s in value.addressable_shards}
+
+  def shard_of(device):
+    shard = shards.get(device.id)
+    if shard is None or shard.shape != sharding.shard_shape(value.shape):
+      shard = np.asarray(value)[index_map[device]]
+    return np.asarray(shard)
+  return store_shards(shard_of, pool=pool, tier=tier, sharding=sharding,
+                      shape=value.shape, dtype=value.dtype, path=path)
 
 
 def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
