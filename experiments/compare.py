@@ -280,6 +280,10 @@ def _schedule(mode: str, config: Config) -> str:
           "cxl_dap": "dap"}[mode]
 
 
+def _step_fn(model: gpt2.GPT2Config) -> Callable:
+  return exp_common.make_train_step(gpt2.make_loss(model), _TX())
+
+
 def _tier(mode: str) -> str:
   return "nvme" if mode == "ssd" else "cxl"
 
@@ -322,7 +326,7 @@ class Runner:
                params: Any, pool: jcxl.Pool | None, batch: dict):
     self.mode = mode
     self.skipped = ""
-    step_fn = exp_common.make_train_step(gpt2.make_loss(model), _TX())
+    step_fn = _step_fn(model)
     opt_state = _TX().init(params)
     if mode in ("resident", "jax_host"):
       self.step = _jitted(mode, step_fn)
@@ -437,20 +441,20 @@ def run_size(config: Config, width: int, batches: list[dict]) -> dict:
 
 
 def _probe_need(mode: str, config: Config, model: gpt2.GPT2Config,
-                pool: jcxl.Pool, batch: dict) -> int | None:
-  """The step's device need at `model`; None if the pool can't hold it.
+                pool: jcxl.Pool, batch: dict, state_bytes: int) -> int | None:
+  """The step's device need at `model` (whose parameters and optimizer
+  state take `state_bytes`); None if the pool can't hold it.
 
   Raises:
     MemoryError: an offloaded step found no plan within the budget.
   """
   params, opt_state, _ = max_model.shapes(model, 1, 1)
   if mode in ("resident", "jax_host"):
-    if _state_bytes(model) > config.pool_capacity and mode == "jax_host":
+    if state_bytes > config.pool_capacity and mode == "jax_host":
       return None  # pinned host memory is bounded as the pool is
-    if _state_bytes(model) > config.device_budget:
-      return _state_bytes(model)  # the state alone is over: no compile
-    step_fn = exp_common.make_train_step(gpt2.make_loss(model), _TX())
-    return _jit_need(_jitted(mode, step_fn).lower(
+    if state_bytes > config.device_budget:
+      return state_bytes  # the state alone is over: no compile
+    return _jit_need(_jitted(mode, _step_fn(model)).lower(
         params, opt_state, batch).compile())
   try:
     reserved = max_model.reserve((params, opt_state), pool,
@@ -459,8 +463,8 @@ def _probe_need(mode: str, config: Config, model: gpt2.GPT2Config,
     return None
   try:
     step = jcxl.cxl_offload(
-        exp_common.make_train_step(gpt2.make_loss(model), _TX()),
-        schedule=_schedule(mode, config), device_budget=config.device_budget)
+        _step_fn(model), schedule=_schedule(mode, config),
+        device_budget=config.device_budget)
     step.compile(*reserved, batch)
     return step.device_need(*reserved, batch)
   finally:
@@ -481,13 +485,13 @@ def search(config: Config) -> dict:
       def probe(index: int, mode=mode) -> max_model.Probe:
         model = config.family(index * HEAD_DIM)
         size = max_model.sizes(model)
+        state_bytes = size.param_bytes + size.opt_state_bytes
         try:
-          need = _probe_need(mode, config, model, pool, batch)
+          need = _probe_need(mode, config, model, pool, batch, state_bytes)
         except MemoryError:
           need = config.device_budget + 1  # no plan fits the budget
         return max_model.Probe(
-            index, f"width {index * HEAD_DIM}", size.params,
-            size.param_bytes + size.opt_state_bytes,
+            index, f"width {index * HEAD_DIM}", size.params, state_bytes,
             None if need is None else max_model.Need(need, 0, 0, 0, 0.0),
             config.device_budget)
       logging.info("largest model: %s", mode)
