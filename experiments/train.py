@@ -68,9 +68,11 @@ import numpy as np
 import optax
 
 import jcxl
+from experiments import cluster
 from experiments import common as experiments_common
 from experiments import plots
 from jcxl._src import bench
+from jcxl._src import distributed
 from jcxl._src.transform import device_need
 from jcxl._src.units import format_bytes
 from jcxl._src.units import parse_bytes
@@ -144,6 +146,7 @@ _CHECKPOINT_EVERY = flags.DEFINE_integer(
 _KEEP_CHECKPOINTS = flags.DEFINE_integer(
     "keep_checkpoints", 2, "Newest checkpoints kept; an older one is deleted "
     "once a newer one is complete.", flag_values=FLAGS)
+_CLUSTER = cluster.define_flags(FLAGS)
 RESUME_LATEST = "latest"
 
 
@@ -554,13 +557,16 @@ class _Metrics:
   FIELDS = ("kind", "step", "loss", "val_loss", "tokens_per_s", "stall_frac",
             "bytes_fetched", "bytes_stored", "wall_s", "startup")
 
-  def __init__(self, run_dir: str, keep_until_step: int | None = None):
+  def __init__(self, run_dir: str, keep_until_step: int | None = None,
+               write: bool = True):
     """`keep_until_step`: a resumed run keeps the rows its checkpoint's run
-    logged up to that step (and drops those it logged after it)."""
+    logged up to that step (and drops those it logged after it). `write`:
+    False keeps the rows in memory only (processes other than the first)."""
     self.rows: list[dict[str, Any]] = []
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = os.path.join(run_dir, "metrics.jsonl") if write else os.devnull
+    csv_path = os.path.join(run_dir, "metrics.csv") if write else os.devnull
     kept = []
-    if keep_until_step is not None and os.path.exists(path):
+    if write and keep_until_step is not None and os.path.exists(path):
       with open(path, encoding="utf-8") as f:
         for line in f:
           try:
@@ -570,8 +576,7 @@ class _Metrics:
           if row["step"] <= keep_until_step:
             kept.append(row)
     self._jsonl = open(path, "w", encoding="utf-8")
-    self._csv_file = open(os.path.join(run_dir, "metrics.csv"), "w",
-                          encoding="utf-8", newline="")
+    self._csv_file = open(csv_path, "w", encoding="utf-8", newline="")
     self._csv = csv.DictWriter(self._csv_file, self.FIELDS, restval="")
     self._csv.writeheader()
     for row in kept:
@@ -607,17 +612,22 @@ def run(config: Config) -> dict[str, Any]:
                                  config.eval_batches)
   loss_fn = gpt2.make_loss(model)
   tx = make_optimizer(config)
-  params = common.init_params(model, seed=config.seed)
-  opt_state = tx.init(params)
+  mesh = cluster.mesh()
+  params, opt_state = _init_state(model, tx, config.seed, mesh)
+  to_devices = _batch_placer(mesh, config.batch_size)
+  eval_set = [to_devices(b) for b in eval_set]
   state_bytes = _nbytes((params, opt_state))
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          (params, opt_state, eval_set[0]))
-  resident = jax.jit(experiments_common.make_train_step(loss_fn, tx), donate_argnums=(0, 1)
-                     ).lower(*abstract).compile()
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=getattr(x, "sharding", None)),
+      (params, opt_state, eval_set[0]))
+  resident = jax.jit(experiments_common.make_train_step(loss_fn, tx),
+                     donate_argnums=(0, 1)).lower(*abstract).compile()
   resident_need = device_need(resident.memory_analysis())
   with contextlib.ExitStack() as stack:
     if config.mode == "cxl":
-      pool = stack.enter_context(_pool_for(config, state_bytes))
+      pool = stack.enter_context(_pool_for(
+          config, cluster.local_bytes((params, opt_state))))
       runner = _Offloaded(config, pool, params, opt_state, loss_fn, tx)
       # The device copies go as soon as the pool holds the state.
       _delete((params, opt_state))
@@ -630,8 +640,8 @@ def run(config: Config) -> dict[str, Any]:
       path = config.resume_path()
       restored = runner.load(path, {**runner.state(), **start})
       start = {k: int(restored[k]) for k in start}
-      print(f"resumed from {path} at step {start['step']}", flush=True)
-    if config.checkpoint_every:
+      _say(f"resumed from {path} at step {start['step']}")
+    if config.checkpoint_every and cluster.is_lead():
       _remove_unfinished_checkpoints(config.checkpoint_dir)
     info = {
         "model": {"name": config.model,
@@ -642,21 +652,33 @@ def run(config: Config) -> dict[str, Any]:
         "tokens_per_step": config.batch_size * config.seq_len,
         "label": runner.label,
         "start_step": start["step"],
+        "cluster": {"processes": jax.process_count(),
+                    "devices": jax.device_count(),
+                    "state_sharding": "fsdp" if mesh else "one device",
+                    "batch_sharding": str(eval_set[0]["x"].sharding.spec)
+                                      if mesh else "one device"},
     }
-    _write_config(config, corpus, info)
+    lead = cluster.is_lead()
+    if lead:
+      _write_config(config, corpus, info)
     _print_header(config, info, resident_need)
     metrics = _Metrics(config.run_dir, keep_until_step=(
-        start["step"] if config.resume is not None else None))
+        start["step"] if config.resume is not None else None), write=lead)
     try:
-      results = _train(config, runner, corpus, eval_set, metrics, **start)
+      results = _train(config, runner, corpus, eval_set, metrics, to_devices,
+                       **start)
     finally:
       metrics.close()
-    plan_text, plan_json = runner.plan()
-    with open(os.path.join(config.run_dir, "plan.txt"), "w",
-              encoding="utf-8") as f:
-      f.write(plan_text + "\n")
-    experiments_common.write_json(os.path.join(config.run_dir, "plan.json"),
-                                  plan_json)
+    experiments_common.write_json(
+        os.path.join(config.run_dir, f"process-{jax.process_index()}.json"),
+        _process_info(runner, pool if config.mode == "cxl" else None))
+    if lead:
+      plan_text, plan_json = runner.plan()
+      with open(os.path.join(config.run_dir, "plan.txt"), "w",
+                encoding="utf-8") as f:
+        f.write(plan_text + "\n")
+      experiments_common.write_json(
+          os.path.join(config.run_dir, "plan.json"), plan_json)
     memory = {
         "params_and_optimizer_state_bytes": state_bytes,
         "resident_step_need_bytes": resident_need,
@@ -666,12 +688,66 @@ def run(config: Config) -> dict[str, Any]:
     }
   summary = _summary(config, info, results, memory, metrics.rows,
                      time.perf_counter() - started)
+  if not lead:
+    print(f"[{cluster.describe()}] done: train loss "
+          f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
+          f"state shards in {info['label']}", flush=True)
+    return summary
   summary["plots"] = plots.plot_run(
       config.run_dir, metrics.rows, results["layer_wait_s"], runner.label)
   experiments_common.write_json(os.path.join(config.run_dir, "summary.json"),
                                 summary)
-  print(_summary_text(summary), flush=True)
+  _say(_summary_text(summary))
   return summary
+
+
+def _init_state(model: gpt2.GPT2Config, tx: optax.GradientTransformation,
+                seed: int, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any]:
+  """The initial params and adamw state: on the one device, or made
+  sharded (FSDP over `mesh`), each process computing only its shards."""
+  init = lambda: common.init_params(model, seed=seed)
+  if mesh is None:
+    params = init()
+    return params, tx.init(params)
+  abstract = jax.eval_shape(init)
+  params = jax.jit(init, out_shardings=cluster.fsdp_shardings(
+      mesh, abstract))()
+  opt_shardings = cluster.fsdp_shardings(mesh, jax.eval_shape(tx.init,
+                                                              abstract))
+  return params, jax.jit(tx.init, out_shardings=opt_shardings)(params)
+
+
+def _batch_placer(mesh: jax.sharding.Mesh | None, batch_size: int
+                  ) -> Callable[[dict], dict]:
+  """Turns a batch of host arrays into the step's input: as is for one
+  device, else global arrays sharded by rows."""
+  if mesh is None:
+    return lambda batch: batch
+  sharding = cluster.batch_sharding(mesh, batch_size)
+  return lambda batch: cluster.global_batch(batch, sharding)
+
+
+def _process_info(runner: Any, pool: jcxl.Pool | None) -> dict[str, Any]:
+  """This process's part of the run: its devices, the bytes of its shards
+  of the state and what its pool holds."""
+  info = {"process_index": jax.process_index(),
+          "process_count": jax.process_count(),
+          "local_devices": [d.id for d in jax.local_devices()],
+          "state_local_bytes": cluster.local_bytes(runner.state())}
+  if pool is not None:
+    info["pool"] = {
+        t.tier.value: {"live_bytes": t.live, "objects": t.objects,
+                       "bytes_written": t.bytes_written,
+                       "bytes_read": t.bytes_read}
+        for t in pool.stats().tiers.values() if t.enabled}
+    info["pool_settings"] = pool.settings()
+  return info
+
+
+def _say(text: str) -> None:
+  """Progress is printed by process 0 only (the others compute the same)."""
+  if cluster.is_lead():
+    print(text, flush=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -713,17 +789,25 @@ def _print_header(config: Config, info: dict[str, Any],
                   resident_need: int) -> None:
   budget = config.device_budget
   fits = "fits" if resident_need <= budget else "does NOT fit"
-  print(f"train {config.model} ({info['model']['parameters']:,} parameters),"
+  _say(f"train {config.model} ({info['model']['parameters']:,} parameters),"
         f" {config.steps} steps of {config.batch_size} x {config.seq_len} "
         f"bytes, mode {config.mode}, state in {info['label']}\n"
         f"params + adamw state {format_bytes(info['state_bytes'])}; device "
         f"budget {format_bytes(budget)}; resident step needs "
         f"{format_bytes(resident_need)} ({fits} the budget)\n"
-        f"run directory: {config.run_dir}", flush=True)
+        f"run directory: {config.run_dir}" + _cluster_line(info["cluster"]))
+
+
+def _cluster_line(c: dict[str, Any]) -> str:
+  if c["devices"] == 1:
+    return ""
+  return (f"\n{cluster.describe()}: state sharded ({c['state_sharding']}) "
+          f"over all {c['devices']} devices, batch {c['batch_sharding']}")
 
 
 def _train(config: Config, runner: Any, corpus: data.ByteCorpus,
-           eval_set: Sequence[dict], metrics: _Metrics, step: int = 0,
+           eval_set: Sequence[dict], metrics: _Metrics,
+           to_devices: Callable[[dict], dict], step: int = 0,
            data_position: int = 0) -> dict[str, Any]:
   """The training loop from `step` (a checkpoint's; 0: the start); returns
   per-step losses and per-layer totals."""
@@ -738,11 +822,11 @@ def _train(config: Config, runner: Any, corpus: data.ByteCorpus,
   pending: list[jax.Array] = []
   losses: list[float] = []
   for step in range(start_step + 1, config.steps + 1):
-    pending.append(runner.train(next(batches)))
+    pending.append(runner.train(to_devices(next(batches))))
     if step == start_step + 1 and isinstance(runner, _Offloaded):
-      print(f"offloaded step needs {format_bytes(runner.need)} of device "
+      _say(f"offloaded step needs {format_bytes(runner.need)} of device "
             f"memory (budget {format_bytes(config.device_budget)})",
-            flush=True)
+            )
     last = step == config.steps
     if step == 1 or step % config.log_every == 0 or last:
       window_losses = [float(l) for l in pending]  # waits for the steps
@@ -759,7 +843,7 @@ def _train(config: Config, runner: Any, corpus: data.ByteCorpus,
           "startup": step - len(pending) == start_step,  # compiled in it
       }
       metrics.add(row)
-      print(_progress_line(row, config, runner.label), flush=True)
+      _say(_progress_line(row, config, runner.label))
       pending = []
       window = _Window(start=time.perf_counter())
     if step % config.eval_every == 0 or last:
@@ -773,15 +857,15 @@ def _train(config: Config, runner: Any, corpus: data.ByteCorpus,
              "bytes_stored": sum(r.bytes_stored for r in reports),
              "wall_s": eval_s}
       metrics.add(row)
-      print(f"eval  step {step:>5d}  val_loss {val_loss:.4f}  "
+      _say(f"eval  step {step:>5d}  val_loss {val_loss:.4f}  "
             f"({len(eval_set)} batches, {eval_s:.1f} s, streamed "
             f"{format_bytes(row['bytes_fetched'])})  [state in "
-            f"{runner.label}]", flush=True)
+            f"{runner.label}]")
     if config.checkpoint_every and step % config.checkpoint_every == 0:
       path, save_s = _save_checkpoint(config, runner, step)
       window.start += save_s  # saving is not training time either
-      print(f"checkpoint step {step}: {path} ({save_s:.1f} s)  [state in "
-            f"{runner.label}]", flush=True)
+      _say(f"checkpoint step {step}: {path} ({save_s:.1f} s)  [state in "
+            f"{runner.label}]")
   return {"losses": losses,
           "layer_wait_s": {k: v[0] for k, v in per_layer.items()},
           "layer_bytes": {k: v[1] for k, v in per_layer.items()}}
@@ -804,7 +888,7 @@ def _remove_unfinished_checkpoints(directory: str) -> None:
   for name in os.listdir(directory):
     path = os.path.join(directory, name)
     if not jcxl.checkpoint.is_complete(path):
-      print(f"removing an unfinished checkpoint: {path}", flush=True)
+      _say(f"removing an unfinished checkpoint: {path}")
       shutil.rmtree(path, ignore_errors=True)
 
 
@@ -816,8 +900,10 @@ def _save_checkpoint(config: Config, runner: Any, step: int
       os.path.join(config.checkpoint_dir, str(step)),
       {**runner.state(), "step": step, "data_position": step},
       metadata={"train": {"run": config.identity(), "step": step}})
-  for old in _finished_steps(config.checkpoint_dir)[:-config.keep_checkpoints]:
-    shutil.rmtree(os.path.join(config.checkpoint_dir, str(old)))
+  if cluster.is_lead():  # every process saved its shards; one cleans up
+    for old in _finished_steps(
+        config.checkpoint_dir)[:-config.keep_checkpoints]:
+      shutil.rmtree(os.path.join(config.checkpoint_dir, str(old)))
   return path, time.perf_counter() - start
 
 
@@ -902,7 +988,12 @@ parse_flags = experiments_common.flags_parser(FLAGS, __doc__)
 
 
 def main(argv: Sequence[str]) -> None:
-  experiments_common.run_program(argv, config_from_flags, run)
+  try:
+    cluster.initialize(_CLUSTER)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  with distributed.fail_together():
+    experiments_common.run_program(argv, config_from_flags, run)
 
 
 if __name__ == "__main__":

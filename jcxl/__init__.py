@@ -7,6 +7,7 @@ Parameters and optimizer state live in a tiered pool outside the device
 from jcxl._src.errors import JcxlError as JcxlError
 from jcxl._src.errors import PoolClosedError as PoolClosedError
 from jcxl._src.errors import PoolExhaustedError as PoolExhaustedError
+from jcxl._src.errors import PoolMismatchError as PoolMismatchError
 from jcxl._src.errors import TierIOError as TierIOError
 from jcxl._src.errors import TransferTimeoutError as TransferTimeoutError
 from jcxl._src.errors import UnknownHandleError as UnknownHandleError
@@ -28,6 +29,7 @@ __all__ = [
     "PoolArray",
     "PoolClosedError",
     "PoolExhaustedError",
+    "PoolMismatchError",
     "Tier",
     "TierIOError",
     "TransferTimeoutError",

@@ -42,6 +42,12 @@ class TierIOError(JcxlError, OSError):
   """
 
 
+class PoolMismatchError(JcxlError, ValueError):
+  """In a multi-process run, the processes' pools differ in a setting (the
+  message names it and each process's value), or a process did not reach
+  the check in time."""
+
+
 class InternalError(JcxlError, RuntimeError):
   """A jcxl bug or an unexpected system failure."""
 

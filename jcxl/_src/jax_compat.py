@@ -34,6 +34,13 @@ def effects_barrier() -> None:
     raise
 
 
+def distributed_client():
+  """The client of JAX's coordination service (its key-value store), or
+  None before ``jax.distributed.initialize``."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client
+
+
 def literal_type():
   from jax.extend import core as jex  # pylint: disable=g-import-not-at-top
   return jex.Literal

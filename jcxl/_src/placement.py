@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jcxl._src import distributed
 from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
@@ -102,7 +103,12 @@ def _default_sharding(leaf: Any) -> jax.sharding.Sharding:
 
 
 def _check_devices(pool: Pool, devices: np.ndarray, path: str) -> None:
+  """This process's devices of `devices` are near `pool` (another process's
+  are its own pool's business)."""
+  me = jax.process_index()
   for device in devices.flat:
+    if device.process_index != me:
+      continue
     node = topology_lib.device_node(device, pool.topology)
     if node != pool.node:
       raise ValueError(
@@ -118,12 +124,14 @@ def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
   are freed and the error raised: the pool holds what it held before."""
   devices, handle_sharding = device_grid(sharding)
   _check_devices(pool, devices, path)
+  if distributed.spans_processes(devices.flat):
+    distributed.check_pools_agree(pool)
   handles = np.zeros(devices.shape, np.int32)
   local = []
-  local_ids = {d.id for d in jax.local_devices()}
+  me = jax.process_index()
   try:
     for position, device in np.ndenumerate(devices):
-      if device.id in local_ids:
+      if device.process_index == me:
         handles[position] = pool.put(shard_of(device), tier)
         local.append((device.id, int(handles[position])))
   except BaseException:

@@ -507,6 +507,7 @@ class Pool:
     self._measured_links: dict[Tier, LinkModel] = {}
     self._firmware_links: dict[Tier, tuple[FirmwareLink, ...]] = {}
     self._nvme_dir = None
+    self._cxl_kind: dict[Tier, str] = {}
     for tier, capacity in capacities.items():
       tier_config = _jcxl.TierConfig()
       tier_config.capacity = capacity
@@ -529,6 +530,12 @@ class Pool:
         self, _close_at_exit, self._pool,
         None if self._keep_nvme_files else self._nvme_dir, self._timeout_s)
     self.id = self._pool.id
+    self._settings = {
+        **{tier.value: format_bytes(c) for tier, c in capacities.items()},
+        "cxl_link": self._cxl_backing(),
+        "spill": bool(spill), "copy_threads": copy_threads,
+        "chunk_bytes": format_bytes(chunk), "timeout_s": self._timeout_s}
+    self._peers_agree = False  # see distributed.check_pools_agree
     registry.add_pool(self)
     for tier_stats in self.stats().tiers.values():
       if tier_stats.enabled and tier_stats.link_source is not None:
@@ -542,6 +549,7 @@ class Pool:
     elif tier is Tier.CXL:
       cxl_nodes = self.topology.nearest_cxl_nodes(self.node)
       if cxl_nodes and not emulate_cxl:
+        self._cxl_kind[tier] = "CXL memory"
         config.nodes = list(cxl_nodes)
         config.weights = [self._node_weight(n) for n in cxl_nodes]
         firmware = [FirmwareLink.from_node(self.topology.node(n))
@@ -551,9 +559,18 @@ class Pool:
         if cxl_link is not None:  # an extra cap the user asked for
           self._set_link(config, tier, cxl_link)
       else:
+        self._cxl_kind[tier] = "emulated on DRAM"
         config.nodes = [home]
         config.emulated = True
         self._set_link(config, tier, cxl_link or DEFAULT_CXL_LINK)
+
+  def _cxl_backing(self) -> str:
+    """The cxl tier's backing, as peers compare it: off, emulated (with its
+    link) or CXL memory (with a cap the user asked for)."""
+    if Tier.CXL not in self._cxl_kind:
+      return "off"
+    link = self._links.get(Tier.CXL)
+    return self._cxl_kind[Tier.CXL] + (f", {link}" if link else "")
 
   def _memory_tier(self, node: int) -> int | None:
     try:
@@ -682,6 +699,13 @@ class Pool:
     self._pool.compact(self._timeout_s)
 
   # -------------------------------------------------------------- state
+
+  def settings(self) -> dict[str, Any]:
+    """What the processes of a multi-process run must agree on: the
+    constructor's arguments that change where objects go and how they move
+    (not the node, the topology or the nvme directory, which are each
+    host's own)."""
+    return dict(self._settings)
 
   def stats(self) -> PoolStats:
     tiers = {}

@@ -32,6 +32,11 @@ def find_pool(pool_id: int, *, what: str = "a PoolArray") -> Pool:
   return pool
 
 
+def open_pools() -> list[Pool]:
+  with _lock:
+    return [p for p in _pools.values() if not p.closed]
+
+
 def register_ffi_targets() -> None:
   """Registers jcxl's XLA FFI targets for the CPU platform (once)."""
   # Imported here, not above: the pool, which imports this module, works

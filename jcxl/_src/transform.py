@@ -303,7 +303,11 @@ class _Analysis:
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-  """What one layer moved and waited for in the steps since the last report."""
+  """What one layer moved and waited for in the steps since the last report.
+
+  Bytes and transfers count every shard of this process's devices; `wait_s`
+  is what one device waited (the devices wait for their shards at once).
+  """
   name: str
   bytes_fetched: int
   bytes_stored: int
@@ -645,7 +649,10 @@ class OffloadedStep:
         continue
       entry = self._moved[name]
       entry[1 if w.record.to_pool else 0] += w.record.nbytes
-      entry[2] += w.wait_ns * 1e-9
+      if w.record.handle in self._first_device:
+        # Each device waits for its own shard at the same time: the step
+        # waited what one device did, not the sum.
+        entry[2] += w.wait_ns * 1e-9
       entry[3] += 1
     return waits
 

@@ -1,0 +1,171 @@
+"""Multi-process runs (``jax.distributed``): each process keeps the shards of
+its own devices in a pool of its own.
+
+Two things need the processes to talk to each other, through the key-value
+store of JAX's coordination service:
+
+* ``check_pools_agree``: the first time a pool stores an array whose
+  sharding spans processes, every process publishes its pool's settings and
+  compares them with the others'; a difference fails all of them at once,
+  naming it, instead of surfacing later as a hang or a mismatched step.
+* ``fail_together``: a process whose program raises tells the others, and
+  each process stops when a peer says it failed. Without it a failed
+  process waits at JAX's shutdown barrier while its peers wait for it in a
+  collective, both until a timeout of minutes. (A process that dies outright
+  is caught by JAX's heartbeat, after ``heartbeat_timeout_seconds``.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from jcxl._src import errors
+from jcxl._src import registry
+
+if TYPE_CHECKING:
+  from jcxl._src.pool import Pool
+
+# How long a process waits for its peers' pool settings: they reach their
+# first placement at about the same time, give or take their start-up.
+PEER_TIMEOUT_S = 120.0
+_CHECKS = itertools.count()  # the nth pool checked, the same in every process
+_FAILED_PREFIX = "jcxl/failed/"
+
+
+def _client() -> Any:
+  """JAX's coordination-service client, or None in a single-process run."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jcxl._src import jax_compat  # pylint: disable=g-import-not-at-top
+  client = jax_compat.distributed_client()
+  return client if client is not None and jax.process_count() > 1 else None
+
+
+def spans_processes(devices: Any) -> bool:
+  return len({d.process_index for d in devices}) > 1
+
+
+def check_pools_agree(pool: Pool, *, timeout_s: float = PEER_TIMEOUT_S
+                      ) -> None:
+  """Raises PoolMismatchError, in every process, if the processes' pools
+  differ in a setting of ``pool.settings()``. Once per pool; a collective:
+  every process must place into its pools in the same order."""
+  if pool._peers_agree:  # pylint: disable=protected-access
+    return
+  client = _client()
+  if client is not None:
+    import jax  # pylint: disable=g-import-not-at-top
+    key = f"jcxl/pools/{next(_CHECKS)}"
+    me, count = jax.process_index(), jax.process_count()
+    client.key_value_set(f"{key}/{me}", json.dumps(pool.settings()))
+    settings = {p: _peer_value(client, f"{key}/{p}", p, timeout_s)
+                for p in range(count)}
+    differences = _differences(settings)
+    if differences:
+      raise errors.PoolMismatchError(
+          f"the pools of the {count} processes differ (pool {pool.id} in "
+          f"process {me}); give every process the same pool settings:\n  "
+          + "\n  ".join(differences))
+  pool._peers_agree = True  # pylint: disable=protected-access
+
+
+def _peer_value(client: Any, key: str, process: int, timeout_s: float
+                ) -> dict[str, Any]:
+  try:
+    return json.loads(client.blocking_key_value_get(key,
+                                                    int(timeout_s * 1000)))
+  except Exception as e:  # a deadline, or the service gone
+    raise errors.PoolMismatchError(
+        f"process {process} did not publish its pool settings within "
+        f"{timeout_s:.0f} s: it failed, is still starting, or places into "
+        f"its pools in another order than this process ({e})") from None
+
+
+def _differences(settings: dict[int, dict[str, Any]]) -> list[str]:
+  """'setting: process 0 has A, process 1 has B' for each setting that is
+  not the same in every process."""
+  names = sorted({name for s in settings.values() for name in s})
+  out = []
+  for name in names:
+    values = {p: s.get(name, "(missing)") for p, s in settings.items()}
+    if len({json.dumps(v) for v in values.values()}) > 1:
+      out.append(f"{name}: " + ", ".join(
+          f"process {p} has {v}" for p, v in sorted(values.items())))
+  return out
+
+
+@contextlib.contextmanager
+def fail_together(poll_s: float = 1.0) -> Iterator[None]:
+  """Ties the processes of a multi-process run: if the body raises, this
+  process prints the error, tells its peers and exits at once (status 1);
+  if a peer says it failed, this process prints which and why, and exits
+  within about `poll_s`, even while waiting in a collective. Open pools are
+  closed first. Outside a multi-process run it does nothing.
+
+  Example:
+    >>> jax.distributed.initialize(...)
+    >>> with fail_together():
+    ...   train()
+  """
+  client = _client()
+  if client is None:
+    yield
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  me, count = jax.process_index(), jax.process_count()
+  stop = threading.Event()
+  watcher = threading.Thread(target=_watch_peers,
+                             args=(client, me, count, stop, poll_s),
+                             name="jcxl-peer-watch", daemon=True)
+  watcher.start()
+  try:
+    yield
+  except SystemExit as e:
+    if e.code in (None, 0):
+      raise
+    _tell_peers_and_exit(client, me, count, f"exited with status {e.code}")
+  except BaseException as e:  # pylint: disable=broad-except
+    traceback.print_exc()
+    _tell_peers_and_exit(client, me, count, f"{type(e).__name__}: {e}")
+  finally:
+    stop.set()
+
+
+def _tell_peers_and_exit(client: Any, me: int, count: int, why: str) -> None:
+  try:
+    client.key_value_set(f"{_FAILED_PREFIX}{me}", why[:4000])
+  except Exception:  # pylint: disable=broad-except
+    pass  # the service is gone: the peers' heartbeats will notice
+  _exit(f"jcxl: process {me} of {count} failed ({why}); its peers stop too")
+
+
+def _watch_peers(client: Any, me: int, count: int, stop: threading.Event,
+                 poll_s: float) -> None:
+  while not stop.wait(poll_s):
+    try:
+      failed = client.key_value_dir_get(_FAILED_PREFIX)
+    except Exception:  # pylint: disable=broad-except
+      return  # the service is gone: JAX's own error polling stops us
+    for key, why in failed:
+      process = key.rsplit("/", 1)[-1]
+      if process != str(me):
+        _exit(f"jcxl: process {process} of {count} failed ({why}); "
+              f"stopping process {me} as well")
+
+
+def _exit(message: str) -> None:
+  """Closes the open pools (their nvme files go), says why, and exits
+  without JAX's shutdown barrier, which would wait for the failed peer."""
+  for pool in registry.open_pools():
+    with contextlib.suppress(Exception):
+      pool.close()
+  print(message, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(1)

@@ -1,0 +1,236 @@
+"""Multi-process runs: experiments.train on 2 processes x 4 CPU devices
+(jax.distributed on 127.0.0.1, gloo collectives), each process with a pool of
+its own, against 1 process x 8 devices; and how a run fails when a process
+dies, fails, or configures its pool differently."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jcxl._src import distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# GPT-2-tiny, FSDP over 8 devices (each array's last axis split 8 ways where
+# it divides), batch rows over the devices, state in the cxl tier.
+TRAIN = ("--model=gpt2-tiny", "--steps=3", "--batch_size=8", "--seq_len=32",
+         "--warmup_steps=1", "--eval_every=3", "--eval_batches=1",
+         "--log_every=1", "--data_bytes=512KiB", "--tier=cxl",
+         "--checkpoint_every=3")
+# The same float32 program, partitioned the same way over 8 devices: the
+# runs differ only in how the all-reduces sum (in one process, or over gloo
+# between two). Losses agree to RTOL. Every state leaf agrees to RTOL plus
+# LEAF_ATOL times the leaf's largest magnitude: the attention's key bias has
+# a gradient of zero in exact arithmetic (softmax ignores a shift shared by
+# all keys), so its gradient is rounding noise that depends on the
+# summation order, and Adam scales that noise up (measured: 3.6e-6 on
+# values of 4.6e-3, against 2.4e-7 on every other leaf).
+RTOL, LEAF_ATOL = 1e-5, 2e-3
+HEARTBEAT_S = 10
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def processes(run_dir, *args, per_process=((), ()), count=2, devices=4):
+  """Starts experiments.train as `count` processes of one run; yields them
+  (Popen, with .log: their stdout and stderr file); kills what is left."""
+  address = f"127.0.0.1:{free_port()}"
+  procs = []
+  try:
+    for i in range(count):
+      log = open(os.path.join(run_dir, f"log-{i}.txt"), "w+",
+                 encoding="utf-8")
+      proc = subprocess.Popen(
+          [sys.executable, "-m", "experiments.train", *args,
+           f"--run_dir={run_dir}", f"--cpu_devices={devices}",
+           f"--coordinator_address={address}", f"--num_processes={count}",
+           f"--process_id={i}", f"--heartbeat_timeout_s={HEARTBEAT_S}",
+           *per_process[i]],
+          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=log,
+          stderr=subprocess.STDOUT, text=True)
+      proc.log = log
+      procs.append(proc)
+    yield procs
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+      proc.wait()
+      proc.log.close()
+
+
+def output(proc) -> str:
+  """What the process printed so far (the child writes the file itself)."""
+  with open(proc.log.name, encoding="utf-8") as f:
+    return f.read()
+
+
+def wait_all(procs, timeout_s: float) -> list[int]:
+  deadline = time.monotonic() + timeout_s
+  for proc in procs:
+    try:
+      proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"process {procs.index(proc)} still running after "
+                  f"{timeout_s:.0f} s:\n{output(proc)[-3000:]}")
+  return [proc.returncode for proc in procs]
+
+
+def load(path) -> dict:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def checkpoint_state(run_dir) -> dict[str, np.ndarray]:
+  import jcxl  # pylint: disable=g-import-not-at-top
+  restored = jcxl.checkpoint.restore(
+      os.path.join(run_dir, "checkpoints", "3"),
+      sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  flat = jax.tree_util.tree_flatten_with_path(restored)[0]
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+
+def assert_same_state(got: dict[str, np.ndarray],
+                      want: dict[str, np.ndarray]) -> None:
+  assert got.keys() == want.keys() and len(got) > 80
+  for name, value in want.items():
+    np.testing.assert_allclose(
+        got[name], value, rtol=RTOL,
+        atol=LEAF_ATOL * float(np.abs(value).max(initial=0)), err_msg=name)
+  moments = [a for a in want if "['mu']" in a]
+  assert moments and any(np.abs(want[a]).max() > 0 for a in moments)
+
+
+class TwoProcessesTest:
+
+  def test_equal_to_one_process_and_each_pool_holds_its_shards(
+      self, tmp_path):
+    two, resumed, one = (str(tmp_path / n) for n in ("two", "resumed", "one"))
+    for run_dir in (two, resumed):
+      os.makedirs(run_dir)
+    with processes(two, *TRAIN, "--checkpoint_every=1",
+                   "--keep_checkpoints=3") as procs:
+      assert wait_all(procs, 600) == [0, 0], output(procs[0])[-3000:]
+    assert "process 1 of 2, 4 of 8 devices" in output(procs[1])
+    # Each process restores its own shards into its own pool, and the run
+    # goes on from step 1 as if it had never stopped.
+    with processes(resumed, *TRAIN,
+                   f"--resume={two}/checkpoints/1") as procs:
+      assert wait_all(procs, 600) == [0, 0], output(procs[0])[-3000:]
+    assert "resumed from" in output(procs[0])
+    from tests import checkpoint_test  # pylint: disable=g-import-not-at-top
+    checkpoint_test.run_train(*TRAIN, f"--run_dir={one}")  # 8 devices here
+
+    want = load(f"{one}/summary.json")
+    assert jax.device_count() == 8 and want["steps"] == 3
+    for run_dir, first in ((two, 0), (resumed, 1)):
+      got = load(f"{run_dir}/summary.json")
+      np.testing.assert_allclose(got["train_losses"],
+                                 want["train_losses"][first:], rtol=RTOL)
+      np.testing.assert_allclose(got["final_val_loss"],
+                                 want["final_val_loss"], rtol=RTOL)
+      assert_same_state(checkpoint_state(run_dir), checkpoint_state(one))
+
+    # Each process's pool holds the shards of its own 4 devices, no more:
+    # half of what the one process's pool holds for all 8.
+    ref = load(f"{one}/process-0.json")
+    parts = [load(f"{two}/process-{i}.json") for i in range(2)]
+    assert [len(p["local_devices"]) for p in parts] == [4, 4]
+    assert not set(parts[0]["local_devices"]) & set(parts[1]["local_devices"])
+    for part in parts:
+      cxl = part["pool"]["cxl"]
+      assert cxl["live_bytes"] == part["state_local_bytes"]
+      assert 2 * cxl["live_bytes"] == ref["pool"]["cxl"]["live_bytes"]
+      assert 2 * cxl["objects"] == ref["pool"]["cxl"]["objects"]
+      assert cxl["bytes_read"] > 3 * cxl["live_bytes"] // 2  # streamed
+
+
+class FailureTest:
+
+  @pytest.mark.parametrize("victim", [0, 1])
+  def test_killed_process_stops_the_other(self, tmp_path, victim):
+    run_dir = str(tmp_path)
+    with processes(run_dir, *TRAIN[:-1], "--steps=100000",
+                   "--eval_every=100000") as procs:
+      deadline = time.monotonic() + 300
+      while "step     2/" not in output(procs[0]):
+        assert procs[0].poll() is None and procs[1].poll() is None, \
+            output(procs[0])[-3000:]
+        assert time.monotonic() < deadline, output(procs[0])[-3000:]
+        time.sleep(0.5)
+      os.kill(procs[victim].pid, signal.SIGKILL)
+      killed = time.monotonic()
+      survivor = procs[1 - victim]
+      code = wait_all([survivor], HEARTBEAT_S + 60)[0]
+      took = time.monotonic() - killed
+    text = output(survivor)
+    assert code != 0, text[-3000:]
+    assert took < HEARTBEAT_S + 30, (took, text[-3000:])
+    # JAX's coordination service names what happened (a task that stopped
+    # sending heartbeats, or the lost leader).
+    assert "Terminating process because the JAX distributed service" in text
+    assert ("stopped sending heartbeats" in text if victim == 1
+            else "leader task was preempted/died" in text), text[-3000:]
+
+  def test_failed_process_stops_the_other_at_once(self, tmp_path):
+    run_dir = str(tmp_path)
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with processes(run_dir, *TRAIN,
+                   per_process=((), (f"--nvme_dir={not_a_dir}",))) as procs:
+      codes = wait_all(procs, 120)
+    assert codes[0] != 0 and codes[1] != 0
+    assert "is not a directory" in output(procs[1])
+    assert ("jcxl: process 1 of 2 failed (UsageError: --nvme_dir "
+            in output(procs[0])), output(procs[0])[-3000:]
+    assert "stopping process 0 as well" in output(procs[0])
+
+  def test_pools_that_disagree_fail_at_start(self, tmp_path):
+    run_dir = str(tmp_path)
+    with processes(run_dir, *TRAIN,
+                   per_process=((), ("--link_gbps=8",))) as procs:
+      codes = wait_all(procs, 120)
+    assert codes == [1, 1]
+    for proc in procs:
+      text = output(proc)
+      assert "PoolMismatchError: the pools of the 2 processes differ" in text
+      assert ("cxl_link: process 0 has emulated on DRAM, 16.0 GB/s, 2.0 us "
+              "per transfer, process 1 has emulated on DRAM, 8.0 GB/s" in text
+              ), text[-3000:]
+      assert "step " not in text  # nothing ran
+
+
+class DifferencesTest:
+
+  def test_names_each_setting_that_differs(self):
+    got = distributed._differences({
+        0: {"cxl": "1.00 GiB", "spill": False, "copy_threads": 2},
+        1: {"cxl": "2.00 GiB", "spill": False},
+    })
+    assert got == ["copy_threads: process 0 has 2, process 1 has (missing)",
+                   "cxl: process 0 has 1.00 GiB, process 1 has 2.00 GiB"]
+
+  def test_one_process_needs_no_peers(self):
+    import jcxl  # pylint: disable=g-import-not-at-top
+    with jcxl.Pool(host="1MiB", cxl="1MiB") as pool:
+      distributed.check_pools_agree(pool, timeout_s=0.001)
+      assert pool._peers_agree  # pylint: disable=protected-access
+      with distributed.fail_together():  # a no-op: nothing to watch
+        pass
+      with pytest.raises(ZeroDivisionError), distributed.fail_together():
+        1 / 0  # pylint: disable=pointless-statement
