@@ -37,6 +37,22 @@ losses the uninterrupted one would have:
   python -m experiments.train --checkpoint_every=50 --run_dir=runs/a
   python -m experiments.train --checkpoint_every=50 --run_dir=runs/a --resume
 
+On several processes (hosts) every process runs the same command with
+--coordinator_address, --num_processes and --process_id (or the environment
+variables JCXL_COORDINATOR_ADDRESS, JCXL_NUM_PROCESSES, JCXL_PROCESS_ID, or
+--distributed alone where JAX detects the cluster); see experiments/cluster.py.
+With more than one device in all (--cpu_devices=N gives N CPU devices), the
+state is sharded FSDP-style over every device of every process, each process
+keeping its shards in its own pool, and the batch's rows over the devices;
+process 0 prints and writes the run directory, and every process writes
+process-<i>.json (its devices, shard bytes and pool). A process that fails
+stops the others (jcxl.distributed.fail_together); one that dies is noticed
+after --heartbeat_timeout_s.
+
+  python -m experiments.train --model=gpt2-tiny --batch_size=8 \
+      --cpu_devices=4 --coordinator_address=127.0.0.1:12345 \
+      --num_processes=2 --process_id=0     # and --process_id=1 beside it
+
 Command line (the defaults; about 2.5 minutes on a 2-core machine):
 
   python -m experiments.train --model=byte-gpt --steps=200 --batch_size=4 \
@@ -44,7 +60,7 @@ Command line (the defaults; about 2.5 minutes on a 2-core machine):
       --eval_batches=8 --seed=0 --mode=cxl --tier=cxl --schedule=fixed:1 \
       --device_budget=72MiB --link_gbps=16 --link_latency_us=2 \
       --log_every=10 --data_bytes=4MiB --run_dir=runs/train-<timestamp> \
-      --checkpoint_every=0 --keep_checkpoints=2
+      --checkpoint_every=0 --keep_checkpoints=2 --heartbeat_timeout_s=30
 """
 
 from __future__ import annotations
@@ -72,7 +88,6 @@ from experiments import cluster
 from experiments import common as experiments_common
 from experiments import plots
 from jcxl._src import bench
-from jcxl._src import distributed
 from jcxl._src.transform import device_need
 from jcxl._src.units import format_bytes
 from jcxl._src.units import parse_bytes
@@ -992,7 +1007,7 @@ def main(argv: Sequence[str]) -> None:
     cluster.initialize(_CLUSTER)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  with distributed.fail_together():
+  with jcxl.distributed.fail_together():
     experiments_common.run_program(argv, config_from_flags, run)
 
 

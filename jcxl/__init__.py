@@ -20,6 +20,7 @@ from jcxl._src.pool_array import PoolArray as PoolArray
 from jcxl._src.stream import fetch as fetch
 from jcxl._src.stream import store as store
 from jcxl._src.transform import cxl_offload as cxl_offload
+from jcxl import distributed as distributed
 from jcxl import topology as topology
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "UnknownHandleError",
     "checkpoint",
     "cxl_offload",
+    "distributed",
     "fetch",
     "gather",
     "place",

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jcxl._src import distributed
+from tests import multiprocess_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GPT-2-tiny, FSDP over 8 devices (each array's last axis split 8 ways where
@@ -160,6 +161,33 @@ class TwoProcessesTest:
       assert cxl["bytes_read"] > 3 * cxl["live_bytes"] // 2  # streamed
 
 
+  def test_place_gather_and_offload_process_local_data(self, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    worker = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+    procs = [subprocess.Popen(
+        [sys.executable, worker, address, str(i), str(tmp_path / f"{i}.json")],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+      outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+      for p in procs:
+        p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    rows = multiprocess_worker.ROWS
+    total = sum(float(multiprocess_worker.local_rows(i).sum())
+                for i in range(2)) + 8 * 2.0
+    for i in range(2):
+      got = load(tmp_path / f"{i}.json")
+      assert got["global_shape"] == [2 * rows, 16]
+      assert got["local_equal"] and got["b_equal"]
+      assert got["total"] == pytest.approx(total, rel=1e-6)
+      # Its 4 devices' rows (rows x 16 floats) and 4 copies of 'b', only.
+      assert got["live_bytes"] == rows * 16 * 4 + 4 * 8 * 4
+      assert got["objects"] == got["handles"] == 8
+
+
 class FailureTest:
 
   @pytest.mark.parametrize("victim", [0, 1])
@@ -179,6 +207,8 @@ class FailureTest:
       code = wait_all([survivor], HEARTBEAT_S + 60)[0]
       took = time.monotonic() - killed
     text = output(survivor)
+    print(f"process {victim} killed: process {1 - victim} stopped "
+          f"{took:.1f} s later (heartbeat timeout {HEARTBEAT_S} s)")
     assert code != 0, text[-3000:]
     assert took < HEARTBEAT_S + 30, (took, text[-3000:])
     # JAX's coordination service names what happened (a task that stopped

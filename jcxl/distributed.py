@@ -1,0 +1,15 @@
+"""Multi-process runs under ``jax.distributed`` (public module).
+
+Each process keeps the shards of its own devices in its own pool; the pools'
+settings are compared across processes when they first store an array that
+spans them (``jcxl.PoolMismatchError`` on a difference).
+
+Example:
+  >>> jax.distributed.initialize()
+  >>> with jcxl.distributed.fail_together():  # a failed process stops all
+  ...   train()
+"""
+
+from jcxl._src.distributed import fail_together as fail_together
+
+__all__ = ["fail_together"]
