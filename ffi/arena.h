@@ -38,6 +38,8 @@ class Arena {
   virtual void Release(uint64_t offset, uint64_t bytes) = 0;
   // Memory arenas: the address of offset 0; file arenas: nullptr.
   virtual char* base() const { return nullptr; }
+  // Bytes mapped at base() (0 for an arena that is not in memory).
+  virtual uint64_t mapped_bytes() const { return 0; }
   virtual std::string Describe() const = 0;
   static uint64_t BounceBytes(uint64_t chunk_bytes) {
     return chunk_bytes + 2 * kBlockBytes;
@@ -59,6 +61,7 @@ class MemoryArena : public Arena {
   Status Move(uint64_t from, uint64_t to, uint64_t bytes) override;
   void Release(uint64_t offset, uint64_t bytes) override;
   char* base() const override { return base_; }
+  uint64_t mapped_bytes() const override { return size_; }
   std::string Describe() const override;
   // Empty when binding worked, else why it did not (still usable).
   const std::string& bind_error() const { return bind_error_; }

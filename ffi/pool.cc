@@ -383,6 +383,68 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
   return engine_->Submit(std::move(request));
 }
 
+StatusOr<DirectRange> Pool::BeginDirect(int32_t handle, uint64_t bytes,
+                                        uint64_t offset, Direction direction) {
+  std::unique_lock<std::mutex> lock(mu_);
+  unpinned_cv_.wait(lock, [this] { return !compacting_; });
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok()) return found.status();
+  Object* object = *found;
+  if (offset > object->allocation.bytes ||
+      bytes > object->allocation.bytes - offset) {
+    return Status(Code::kInvalidArgument,
+                  "handle " + std::to_string(handle) + " holds " +
+                      std::to_string(object->allocation.bytes) +
+                      " bytes; cannot access " + std::to_string(bytes) +
+                      " bytes at offset " + std::to_string(offset));
+  }
+  Tier& tier = tiers_[object->tier];
+  TierArena& arena = tier.arenas[object->arena];
+  if (arena.arena->base() == nullptr || tier.link) {
+    return Status(Code::kInvalidArgument,
+                  Label(handle, *object) +
+                      " is not directly addressable (nvme file, or a tier "
+                      "behind a link model); use the copy engine");
+  }
+  DirectRange range;
+  range.address = arena.arena->base() +
+                  arena.allocator->OffsetOf(object->allocation) + offset;
+  range.bytes = bytes;
+  range.handle = handle;
+  range.direction = direction;
+  ++object->pins;
+  ++total_pins_;
+  return range;
+}
+
+void Pool::EndDirect(const DirectRange& range) {
+  int tier = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = objects_.find(IndexOf(range.handle));
+    tier = it == objects_.end() ? 0 : it->second.tier;
+  }
+  Unpin(IndexOf(range.handle), tier, range.direction, range.bytes);
+}
+
+std::vector<MemoryRegion> Pool::MemoryRegions() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<MemoryRegion> regions;
+  for (Tier& tier : tiers_) {
+    for (TierArena& arena : tier.arenas) {
+      if (arena.arena->base() != nullptr) {
+        regions.push_back({arena.arena->base(), arena.arena->mapped_bytes()});
+      }
+    }
+  }
+  return regions;
+}
+
+void Pool::OnClose(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_close_.push_back(std::move(fn));
+}
+
 void Pool::Unpin(uint32_t index, int tier, Direction direction,
                  uint64_t bytes) {
   {
@@ -587,6 +649,9 @@ Status Pool::Close(int64_t timeout_ns) {
   std::unique_ptr<CopyEngine> engine = std::move(engine_);
   lock.unlock();
   engine.reset();  // joins the workers; queued transfers fail as kClosed
+  std::vector<std::function<void()>> on_close;
+  on_close.swap(on_close_);
+  for (auto& fn : on_close) fn();  // e.g. unregister arenas from a GPU
   lock.lock();
   for (Tier& tier : tiers_) tier.arenas.clear();  // unmap, remove files
   if (!config_.nvme_dir.empty() && !config_.keep_nvme_files) {

@@ -14,6 +14,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,6 +64,21 @@ struct ObjectInfo {
   std::string dtype;
 };
 
+// Bytes of a memory-tier object lent to a DMA engine outside the pool (a
+// GPU's copy engine), from Pool::BeginDirect until Pool::EndDirect.
+struct DirectRange {
+  char* address = nullptr;
+  uint64_t bytes = 0;
+  int32_t handle = 0;
+  Direction direction = Direction::kFromPool;
+};
+
+// A memory arena's mapping, for a DMA engine to page-lock once.
+struct MemoryRegion {
+  char* base = nullptr;
+  uint64_t bytes = 0;
+};
+
 struct ArenaStats {
   int node = -1;
   double weight = 1.0;
@@ -103,6 +119,20 @@ class Pool {
   StatusOr<std::shared_ptr<Ticket>> Read(int32_t handle, void* dst,
                                          uint64_t bytes, uint64_t offset,
                                          int priority, uint64_t chunk_bytes);
+  // The address of bytes [offset, offset + bytes) of an object, for a copy
+  // made by another engine (cudaMemcpyAsync). The object stays pinned, as
+  // during a transfer (Free and Compact wait), until EndDirect, which also
+  // counts the bytes as read or written. Refused (kInvalidArgument) where
+  // the bytes must go through the copy engine: an nvme object, or a tier
+  // behind a link model (an emulated or capped link).
+  StatusOr<DirectRange> BeginDirect(int32_t handle, uint64_t bytes,
+                                    uint64_t offset, Direction direction);
+  void EndDirect(const DirectRange& range);
+  // Every memory arena's mapping (what BeginDirect addresses lie in).
+  std::vector<MemoryRegion> MemoryRegions();
+  // Runs `fn` in Close(), after the transfers in flight and before the
+  // arenas are unmapped (to unregister them from a DMA engine).
+  void OnClose(std::function<void()> fn);
   StatusOr<ObjectInfo> Info(int32_t handle);
   std::vector<int32_t> Handles();
   // Where each page of a memory-tier object sits (move_pages).
@@ -174,6 +204,7 @@ class Pool {
   // Live objects by handle index (node-based: an Object never moves).
   std::unordered_map<uint32_t, Object> objects_;
   std::unique_ptr<CopyEngine> engine_;
+  std::vector<std::function<void()>> on_close_;
 };
 
 }  // namespace jcxl

@@ -748,6 +748,71 @@ TEST(CloseWhileInUse) {
   CHECK(pool->closed());
 }
 
+TEST(DirectRangesPinTheObjectAndCountTheirBytes) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t host = Alloc(*pool, TierKind::kHost, 4096);
+  const std::vector<char> data = Pattern(4096, 7);
+  CHECK_OK(WriteNow(*pool, host, data));
+  StatusOr<DirectRange> range =
+      pool->BeginDirect(host, 1024, 512, Direction::kFromPool);
+  CHECK_OK(range);
+  CHECK(std::memcmp(range->address, data.data() + 512, 1024) == 0);
+  bool inside = false;
+  for (const MemoryRegion& region : pool->MemoryRegions()) {
+    inside |= range->address >= region.base &&
+              range->address + 1024 <= region.base + region.bytes;
+  }
+  CHECK(inside);
+  // Pinned: a free waits for EndDirect (here it times out).
+  CHECK_CODE(pool->Free(host, 50'000'000), Code::kTimeout);
+  std::memcpy(range->address, "direct", 6);  // what a DMA would write
+  pool->EndDirect(*range);
+  StatusOr<std::vector<char>> back = ReadNow(*pool, host, 6, 512);
+  CHECK_OK(back);
+  CHECK(std::memcmp(back->data(), "direct", 6) == 0);
+  CHECK_EQ(pool->Stats()[0].bytes_read, uint64_t{1024 + 6});
+  CHECK_OK(pool->Free(host, kLongWaitNs));
+}
+
+TEST(DirectRangesAreRefusedWhereTheCopyEngineMustMoveTheBytes) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t host = Alloc(*pool, TierKind::kHost, 64);
+  CHECK_CODE(pool->BeginDirect(host, 65, 0, Direction::kToPool),
+             Code::kInvalidArgument);
+  CHECK_CODE(pool->BeginDirect(host + 1, 8, 0, Direction::kToPool),
+             Code::kNotFound);
+  CHECK_CODE(pool->BeginDirect(Alloc(*pool, TierKind::kNvme, 64), 8, 0,
+                               Direction::kFromPool),
+             Code::kInvalidArgument);
+  // The emulated cxl tier has a link model: its bytes must go through it.
+  TempDir other;
+  PoolConfig config = ThreeTiers(other.path());
+  config.tiers[1].link_bytes_per_second = 1e9;
+  std::shared_ptr<Pool> linked = NewPool(config);
+  StatusOr<DirectRange> cxl = linked->BeginDirect(
+      Alloc(*linked, TierKind::kCxl, 64), 8, 0, Direction::kFromPool);
+  CHECK_CODE(cxl, Code::kInvalidArgument);
+  CHECK_CONTAINS(cxl.status().message(), "link model");
+}
+
+TEST(CloseRunsItsHooksBeforeUnmapping) {
+  PoolConfig config;
+  config.tiers[0].capacity = 1 * kMiB;
+  std::shared_ptr<Pool> pool = NewPool(config);
+  std::vector<MemoryRegion> regions = pool->MemoryRegions();
+  CHECK_EQ(regions.size(), size_t{1});
+  CHECK_GE(regions[0].bytes, uint64_t{1 * kMiB});
+  int ran = 0;
+  pool->OnClose([&] {
+    ++ran;
+    regions[0].base[0] = 1;  // still mapped here
+  });
+  CHECK_OK(pool->Close(kLongWaitNs));
+  CHECK_EQ(ran, 1);
+}
+
 }  // namespace
 }  // namespace jcxl
 

@@ -1,0 +1,69 @@
+// What the CPU and CUDA stream handlers share: resolving a (pool, handle,
+// slice) against the step's buffer, and turning pool errors into XLA's.
+#ifndef JCXL_FFI_STREAM_COMMON_H_
+#define JCXL_FFI_STREAM_COMMON_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "pool.h"
+#include "status.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jcxl {
+
+namespace ffi = xla::ffi;
+
+ffi::Error Fail(const char* handler, const std::string& message);
+// The XLA error code follows the pool's: the step's exception starts with
+// its name (DEADLINE_EXCEEDED for a timeout, DATA_LOSS for a failed read or
+// write, FAILED_PRECONDITION for a closed pool).
+ffi::Error Fail(const char* handler, const Status& status);
+
+// The error branch of an ErrorOr, from the same message Fail() builds.
+template <typename... Args>
+ffi::Unexpected<ffi::Error> Unexpected(Args&&... args) {
+  return ffi::Unexpected<ffi::Error>(Fail(std::forward<Args>(args)...));
+}
+
+// The step's side of a transfer: the buffer's dtype, shape and bytes.
+struct BufferShape {
+  ffi::DataType dtype;
+  std::vector<int64_t> dims;
+  uint64_t bytes = 0;
+};
+BufferShape ShapeOf(const ffi::AnyBuffer& buffer);
+
+// Which object a transfer is for, and which of its slices.
+struct Slice {
+  int32_t pool_id = 0;
+  int32_t handle = 0;
+  bool stacked = false;   // a slice along axis 0 (a layer, a row block)
+  int64_t block_rows = 0;  // > 0: slices are blocks of this many rows
+};
+
+struct Target {
+  std::shared_ptr<Pool> pool;
+  std::vector<int64_t> object_shape;
+  uint64_t offset = 0;  // bytes into the object
+};
+
+// Finds the pool and the object and checks that `buffer` matches it (or its
+// slice `index`) in dtype and shape. `index` < 0 stands for an index not
+// known on the host yet (a GPU's loop counter): the slice's shape is
+// checked, and SliceOffset places it once the index is known.
+ffi::ErrorOr<Target> Resolve(const char* handler, const Slice& slice,
+                             int64_t index, const BufferShape& buffer);
+
+// The byte offset of slice `index` whose shape `buffer` has (as Resolve
+// computes it), or kInvalidArgument naming the object when there is none.
+StatusOr<uint64_t> SliceOffset(const Slice& slice,
+                               const std::vector<int64_t>& object_shape,
+                               int64_t index, const BufferShape& buffer);
+
+}  // namespace jcxl
+
+#endif  // JCXL_FFI_STREAM_COMMON_H_
