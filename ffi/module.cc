@@ -9,12 +9,16 @@
 #include <nanobind/stl/vector.h>
 
 #include <map>
+#include <stdexcept>
 #include <memory>
 #include <string>
 
 #include "allocator.h"
 #include "pool.h"
 #include "stream_handlers.h"
+#ifdef JCXL_WITH_CUDA
+#include "cuda/cuda_handlers.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -366,4 +370,44 @@ NB_MODULE(_jcxl, m) {
     targets["jcxl_store_done"] = nb::capsule(reinterpret_cast<void*>(kStoreDone));
     return targets;
   });
+
+  // The same targets for XLA's CUDA platform, where jcxl was built with the
+  // CUDA toolkit (ffi/cuda/); registered by registry.py when a GPU is there.
+#ifdef JCXL_WITH_CUDA
+  m.attr("cuda_built") = true;
+  m.def("cuda_registrations", []() {
+    nb::dict targets;
+    targets["jcxl_fetch_start"] =
+        nb::capsule(reinterpret_cast<void*>(cuda::kCudaFetchStart));
+    targets["jcxl_fetch_done"] =
+        nb::capsule(reinterpret_cast<void*>(cuda::kCudaFetchDone));
+    targets["jcxl_fetch_start_into"] =
+        nb::capsule(reinterpret_cast<void*>(cuda::kCudaFetchStartInto));
+    targets["jcxl_after"] = nb::capsule(reinterpret_cast<void*>(cuda::kCudaAfter));
+    targets["jcxl_store_start"] =
+        nb::capsule(reinterpret_cast<void*>(cuda::kCudaStoreStart));
+    targets["jcxl_store_done"] =
+        nb::capsule(reinterpret_cast<void*>(cuda::kCudaStoreDone));
+    return targets;
+  });
+  m.def("cuda_device_count", &cuda::DeviceCount);
+  m.def(
+      "cuda_memcpy_bandwidth",
+      [](int ordinal, uint64_t bytes, bool to_device, int repeats) {
+        const double rate =
+            cuda::MemcpyBandwidth(ordinal, bytes, to_device, repeats);
+        if (rate < 0) {
+          throw std::runtime_error(
+              "cudaMemcpyAsync bandwidth: CUDA error " +
+              std::to_string(static_cast<int>(-rate)));
+        }
+        return rate;
+      },
+      nb::arg("ordinal"), nb::arg("bytes"), nb::arg("to_device"),
+      nb::arg("repeats"),
+      "Bytes/s of cudaMemcpyAsync between page-locked host memory and "
+      "device `ordinal`.");
+#else
+  m.attr("cuda_built") = false;
+#endif
 }

@@ -132,7 +132,8 @@ ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
                           ffi::Buffer<ffi::S32> index, ffi::AnyBuffer,
                           ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
                           bool stacked, int64_t block_rows, int32_t priority,
-                          int64_t chunk_bytes) {
+                          int64_t chunk_bytes, ffi::Span<const int32_t>,
+                          int64_t, int64_t) {
   auto target = ResolveOnHost("jcxl_fetch_start", pool_id, handle, index,
                               stacked, block_rows, *out);
   if (target.has_error()) return target.error();
@@ -150,9 +151,12 @@ ffi::Error FetchStartIntoImpl(ffi::Buffer<ffi::S32> handle,
                               ffi::Buffer<ffi::S32> index, ffi::AnyBuffer after,
                               ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
                               int32_t pool_id, bool stacked, int64_t block_rows,
-                              int32_t priority, int64_t chunk_bytes) {
+                              int32_t priority, int64_t chunk_bytes,
+                              ffi::Span<const int32_t> device_handles,
+                              int64_t static_index, int64_t timeout_ms) {
   return FetchStartImpl(handle, index, after, out, pool_id, stacked, block_rows,
-                        priority, chunk_bytes);
+                        priority, chunk_bytes, device_handles, static_index,
+                        timeout_ms);
 }
 
 ffi::Error FetchDoneImpl(ffi::AnyBuffer in, ffi::AnyBuffer,
@@ -169,7 +173,8 @@ ffi::Error StoreStartImpl(ffi::Buffer<ffi::S32> handle,
                           ffi::Buffer<ffi::S32> index, ffi::AnyBuffer in,
                           ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
                           int32_t pool_id, bool stacked, int64_t block_rows,
-                          int32_t priority, int64_t chunk_bytes) {
+                          int32_t priority, int64_t chunk_bytes,
+                          ffi::Span<const int32_t>, int64_t, int64_t) {
   auto target = ResolveOnHost("jcxl_store_start", pool_id, handle, index,
                               stacked, block_rows, in);
   if (target.has_error()) return target.error();
@@ -222,7 +227,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
                                   .Attr<bool>("stacked")
                                   .Attr<int64_t>("block_rows")
                                   .Attr<int32_t>("priority")
-                                  .Attr<int64_t>("chunk_bytes"));
+                                  .Attr<int64_t>("chunk_bytes")
+                                  // Used by the CUDA handlers only (the
+                                  // same call lowers for either platform).
+                                  .Attr<ffi::Span<const int32_t>>(
+                                      "device_handles")
+                                  .Attr<int64_t>("static_index")
+                                  .Attr<int64_t>("timeout_ms"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStartInto, FetchStartIntoImpl,
                               ffi::Ffi::Bind()
@@ -235,7 +246,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStartInto, FetchStartIntoImpl,
                                   .Attr<bool>("stacked")
                                   .Attr<int64_t>("block_rows")
                                   .Attr<int32_t>("priority")
-                                  .Attr<int64_t>("chunk_bytes"));
+                                  .Attr<int64_t>("chunk_bytes")
+                                  // Used by the CUDA handlers only (the
+                                  // same call lowers for either platform).
+                                  .Attr<ffi::Span<const int32_t>>(
+                                      "device_handles")
+                                  .Attr<int64_t>("static_index")
+                                  .Attr<int64_t>("timeout_ms"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchDone, FetchDoneImpl,
                               ffi::Ffi::Bind()
@@ -261,7 +278,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreStart, StoreStartImpl,
                                   .Attr<bool>("stacked")
                                   .Attr<int64_t>("block_rows")
                                   .Attr<int32_t>("priority")
-                                  .Attr<int64_t>("chunk_bytes"));
+                                  .Attr<int64_t>("chunk_bytes")
+                                  // Used by the CUDA handlers only (the
+                                  // same call lowers for either platform).
+                                  .Attr<ffi::Span<const int32_t>>(
+                                      "device_handles")
+                                  .Attr<int64_t>("static_index")
+                                  .Attr<int64_t>("timeout_ms"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreDone, StoreDoneImpl,
                               ffi::Ffi::Bind()

@@ -37,8 +37,20 @@ def open_pools() -> list[Pool]:
     return [p for p in _pools.values() if not p.closed]
 
 
+def cuda_available() -> bool:
+  """Whether jcxl was built with its CUDA handlers and JAX has a CUDA GPU."""
+  if not getattr(_jcxl, "cuda_built", False):
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    return bool(jax.devices("cuda"))
+  except RuntimeError:  # no CUDA backend
+    return False
+
+
 def register_ffi_targets() -> None:
-  """Registers jcxl's XLA FFI targets for the CPU platform (once)."""
+  """Registers jcxl's XLA FFI targets for the CPU platform, and for CUDA
+  where a GPU is there and jcxl was built with CUDA (once)."""
   # Imported here, not above: the pool, which imports this module, works
   # without jax (in a VM under software emulation, importing jax takes
   # minutes).
@@ -51,5 +63,8 @@ def register_ffi_targets() -> None:
       return
     for name, capsule in _jcxl.registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if cuda_available():
+      for name, capsule in _jcxl.cuda_registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     jax_compat.allow_ffi_effects_in_remat()
     _ffi_registered = True

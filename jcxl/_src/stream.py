@@ -104,15 +104,30 @@ def _timeout_ms(pool) -> np.int64:
   return np.int64(int(pool._timeout_s * 1000))
 
 
+def _device_attrs(x: PoolArray, index: Any, pool) -> dict[str, Any]:
+  """What the CUDA handlers read on the host (the CPU ones ignore it, the
+  same call lowering for either platform): each local device's handle by
+  its ordinal, the slice index where it is a constant (else -1: it is read
+  on the device), and the deadline of a transfer staged through the pool's
+  copy engine."""
+  ordinal = {d.id: d.local_hardware_id for d in jax.local_devices()}
+  pairs = [v for device_id, handle in x.local_handles
+           for v in (ordinal.get(device_id, -1), handle)]
+  static = int(index) if isinstance(index, (int, np.integer)) else -1
+  return {"device_handles": np.asarray(pairs, np.int32),
+          "static_index": np.int64(static), "timeout_ms": _timeout_ms(pool)}
+
+
 def _start_call(handle, index, after, *into, shape, dtype, pool_id, stacked,
-                block_rows, priority, chunk_bytes):
+                block_rows, priority, chunk_bytes, device_attrs):
   name = "jcxl_fetch_start_into" if into else "jcxl_fetch_start"
   return jax.ffi.ffi_call(
       name, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
       input_output_aliases={3: 0} if into else None)(
           handle, index, after, *into, pool_id=np.int32(pool_id),
           stacked=stacked, block_rows=np.int64(block_rows),
-          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes))
+          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes),
+          **device_attrs)
 
 
 def _done_call(buffer, after, *, timeout_ms):
@@ -161,13 +176,14 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
   """
   registry.register_ffi_targets()
   x, pool = _checked(x, "fetch")
+  device_attrs = _device_attrs(x, index, pool)
   index, stacked = _index(index, x)
   sharded = isinstance(x.sharding, jax.sharding.NamedSharding)
   dep = _dependency(after, sharded)
   call = functools.partial(
       _start_call, shape=_local_shape(x, stacked), dtype=x.dtype,
       pool_id=x.pool_id, stacked=stacked, block_rows=x.block_rows,
-      priority=priority, chunk_bytes=chunk_bytes)
+      priority=priority, chunk_bytes=chunk_bytes, device_attrs=device_attrs)
   into = () if into is None else (into,)
   if not sharded:
     return Pending(call(x.handles, index, dep, *into), None, None)
@@ -268,13 +284,14 @@ def fetch(x: PoolArray, index: Any = None, *, after: Any = None,
 
 
 def _store_start_call(handle, index, value, after, *, pool_id, stacked,
-                      block_rows, priority, chunk_bytes):
+                      block_rows, priority, chunk_bytes, device_attrs):
   return jax.ffi.ffi_call(
       "jcxl_store_start", jax.ShapeDtypeStruct(value.shape, value.dtype),
       input_output_aliases={2: 0}, has_side_effect=True)(
           handle, index, value, after, pool_id=np.int32(pool_id),
           stacked=stacked, block_rows=np.int64(block_rows),
-          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes))
+          priority=np.int32(priority), chunk_bytes=np.int64(chunk_bytes),
+          **device_attrs)
 
 
 def _store_done_call(buffer, *, timeout_ms):
@@ -300,6 +317,7 @@ def store_start(x: PoolArray, value: jax.Array, index: Any = None, *,
   """Starts writing `value` into PoolArray `x` (or its slice `index`)."""
   registry.register_ffi_targets()
   x, pool = _checked(x, "store")
+  device_attrs = _device_attrs(x, index, pool)
   index, stacked = _index(index, x)
   expected = x.shape[1:] if stacked else x.shape
   if tuple(value.shape) != tuple(expected) or value.dtype != x.dtype:
@@ -310,7 +328,8 @@ def store_start(x: PoolArray, value: jax.Array, index: Any = None, *,
   dep = _dependency(after, sharded)
   call = functools.partial(
       _store_start_call, pool_id=x.pool_id, stacked=stacked,
-      block_rows=x.block_rows, priority=priority, chunk_bytes=chunk_bytes)
+      block_rows=x.block_rows, priority=priority, chunk_bytes=chunk_bytes,
+      device_attrs=device_attrs)
   timeout_ms = _timeout_ms(pool)
   if not sharded:
     return PendingStore(call(x.handles, index, value, dep), None, None,
