@@ -3,6 +3,7 @@ GPU, on XLA:CPU; what needs CUDA is reported as skipped, never made up."""
 
 import json
 import os
+import shutil
 
 from absl import app
 import pytest
@@ -47,3 +48,16 @@ def test_bad_sizes_are_refused(experiment):
     experiment(gpu_check)("--dry_run", "--transfer_bytes=100")
   with pytest.raises(app.UsageError, match="--width"):
     experiment(gpu_check)("--dry_run", "--transfer_bytes=1MiB", "--width=100")
+
+
+def test_cuda_handlers_are_built_where_a_toolkit_is():
+  """CI compiles the CUDA path: where CMake finds a CUDA toolkit, the
+  extension carries the CUDA handlers, one per CPU handler."""
+  toolkit = shutil.which("nvcc") or os.path.isdir("/usr/local/cuda")
+  if not toolkit:
+    pytest.skip("no CUDA toolkit on this machine")
+  assert _jcxl.cuda_built
+  assert sorted(_jcxl.cuda_registrations()) == sorted(_jcxl.registrations())
+  if not _jcxl.cuda_device_count():  # no driver or no GPU: a clear error
+    with pytest.raises(RuntimeError, match="CUDA error"):
+      _jcxl.cuda_memcpy_bandwidth(0, 1 << 20, True, 1)
