@@ -335,22 +335,30 @@ Status Pool::Free(int32_t handle, int64_t timeout_ns) {
   return Status::Ok();
 }
 
+StatusOr<Pool::Object*> Pool::LookupRange(std::unique_lock<std::mutex>& lock,
+                                          int32_t handle, uint64_t bytes,
+                                          uint64_t offset) {
+  unpinned_cv_.wait(lock, [this] { return !compacting_; });
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok()) return found.status();
+  const uint64_t size = (*found)->allocation.bytes;
+  if (offset > size || bytes > size - offset) {
+    return Status(Code::kInvalidArgument,
+                  "handle " + std::to_string(handle) + " holds " +
+                      std::to_string(size) + " bytes; cannot access " +
+                      std::to_string(bytes) + " bytes at offset " +
+                      std::to_string(offset));
+  }
+  return found;
+}
+
 StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
     int32_t handle, void* buffer, uint64_t bytes, uint64_t offset,
     int priority, uint64_t chunk_bytes, Direction direction) {
   std::unique_lock<std::mutex> lock(mu_);
-  unpinned_cv_.wait(lock, [this] { return !compacting_; });
-  StatusOr<Object*> found = Lookup(handle);
+  StatusOr<Object*> found = LookupRange(lock, handle, bytes, offset);
   if (!found.ok()) return found.status();
   Object* object = *found;
-  if (offset > object->allocation.bytes ||
-      bytes > object->allocation.bytes - offset) {
-    return Status(Code::kInvalidArgument,
-                  "handle " + std::to_string(handle) + " holds " +
-                      std::to_string(object->allocation.bytes) +
-                      " bytes; cannot access " + std::to_string(bytes) +
-                      " bytes at offset " + std::to_string(offset));
-  }
   if (bytes > 0 && buffer == nullptr) {
     return Status(Code::kInvalidArgument, "null buffer for handle " +
                                               std::to_string(handle));
@@ -386,18 +394,9 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
 StatusOr<DirectRange> Pool::BeginDirect(int32_t handle, uint64_t bytes,
                                         uint64_t offset, Direction direction) {
   std::unique_lock<std::mutex> lock(mu_);
-  unpinned_cv_.wait(lock, [this] { return !compacting_; });
-  StatusOr<Object*> found = Lookup(handle);
+  StatusOr<Object*> found = LookupRange(lock, handle, bytes, offset);
   if (!found.ok()) return found.status();
   Object* object = *found;
-  if (offset > object->allocation.bytes ||
-      bytes > object->allocation.bytes - offset) {
-    return Status(Code::kInvalidArgument,
-                  "handle " + std::to_string(handle) + " holds " +
-                      std::to_string(object->allocation.bytes) +
-                      " bytes; cannot access " + std::to_string(bytes) +
-                      " bytes at offset " + std::to_string(offset));
-  }
   Tier& tier = tiers_[object->tier];
   TierArena& arena = tier.arenas[object->arena];
   if (arena.arena->base() == nullptr || tier.link) {

@@ -180,6 +180,11 @@ class Pool {
   Status Init();
   // Resolves a handle; caller holds mu_.
   StatusOr<Object*> Lookup(int32_t handle);
+  // Lookup, once no compaction runs, checking that bytes [offset, offset +
+  // bytes) lie in the object; `lock` holds mu_.
+  StatusOr<Object*> LookupRange(std::unique_lock<std::mutex>& lock,
+                                int32_t handle, uint64_t bytes,
+                                uint64_t offset);
   StatusOr<int32_t> AllocateIn(int tier, uint64_t bytes);
   std::string Label(int32_t handle, const Object& object);
   StatusOr<std::shared_ptr<Ticket>> Transfer(int32_t handle, void* buffer,

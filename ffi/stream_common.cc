@@ -106,6 +106,15 @@ ffi::Error Fail(const char* handler, const Status& status) {
                     std::string(handler) + ": " + status.message());
 }
 
+ffi::Error NoTransferInFlight(const char* handler) {
+  return ffi::Error(
+      ffi::ErrorCode::kInternal,
+      std::string(handler) +
+          ": no transfer in flight for this buffer; XLA must have copied "
+          "it between start and done (a start and its done must not be "
+          "separated by a loop boundary)");
+}
+
 BufferShape ShapeOf(const ffi::AnyBuffer& buffer) {
   auto dims = buffer.dimensions();
   return {buffer.element_type(), std::vector<int64_t>(dims.begin(), dims.end()),

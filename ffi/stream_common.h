@@ -29,6 +29,9 @@ ffi::Unexpected<ffi::Error> Unexpected(Args&&... args) {
   return ffi::Unexpected<ffi::Error>(Fail(std::forward<Args>(args)...));
 }
 
+// A done with no start: the step's buffer is not the one its start saw.
+ffi::Error NoTransferInFlight(const char* handler);
+
 // The step's side of a transfer: the buffer's dtype, shape and bytes.
 struct BufferShape {
   ffi::DataType dtype;
@@ -63,6 +66,79 @@ ffi::ErrorOr<Target> Resolve(const char* handler, const Slice& slice,
 StatusOr<uint64_t> SliceOffset(const Slice& slice,
                                const std::vector<int64_t>& object_shape,
                                int64_t index, const BufferShape& buffer);
+
+// The operands, results and attributes of each target, the same on either
+// platform (the same call lowers for both); a platform's handler binds its
+// context first. Every start takes the object's pool and slice, the copy's
+// priority and pieces, and what only the CUDA handlers read: each device's
+// handle, a constant slice index, the deadline of a staged copy.
+template <typename Binding>
+auto WithStartAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<int32_t>("pool_id")
+      .template Attr<bool>("stacked")
+      .template Attr<int64_t>("block_rows")
+      .template Attr<int32_t>("priority")
+      .template Attr<int64_t>("chunk_bytes")
+      .template Attr<ffi::Span<const int32_t>>("device_handles")
+      .template Attr<int64_t>("static_index")
+      .template Attr<int64_t>("timeout_ms");
+}
+
+// (handle, index, after) -> out
+template <typename Binding>
+auto FetchStartSignature(Binding&& binding) {
+  return WithStartAttrs(std::move(binding)
+                            .template Arg<ffi::Buffer<ffi::S32>>()
+                            .template Arg<ffi::Buffer<ffi::S32>>()
+                            .template Arg<ffi::AnyBuffer>()
+                            .template Ret<ffi::AnyBuffer>());
+}
+
+// (handle, index, after, into) -> into (aliased)
+template <typename Binding>
+auto FetchStartIntoSignature(Binding&& binding) {
+  return WithStartAttrs(std::move(binding)
+                            .template Arg<ffi::Buffer<ffi::S32>>()
+                            .template Arg<ffi::Buffer<ffi::S32>>()
+                            .template Arg<ffi::AnyBuffer>()
+                            .template Arg<ffi::AnyBuffer>()
+                            .template Ret<ffi::AnyBuffer>());
+}
+
+// (in, after) -> in (aliased)
+template <typename Binding>
+auto FetchDoneSignature(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("timeout_ms");
+}
+
+// (x, dep) -> x (aliased)
+template <typename Binding>
+auto AfterSignature(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+// (handle, index, in, after) -> in (aliased): FetchStartInto's operands.
+template <typename Binding>
+auto StoreStartSignature(Binding&& binding) {
+  return FetchStartIntoSignature(std::move(binding));
+}
+
+// (in) -> token
+template <typename Binding>
+auto StoreDoneSignature(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("timeout_ms");
+}
 
 }  // namespace jcxl
 

@@ -105,12 +105,7 @@ void LogWait(const std::shared_ptr<Ticket>& ticket, int64_t started,
 ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
   std::shared_ptr<Ticket> ticket = InFlight::Get().Take(address);
   if (!ticket) {
-    return ffi::Error(
-        ffi::ErrorCode::kInternal,
-        std::string(handler) +
-            ": no transfer in flight for this buffer; XLA must have copied "
-            "it between start and done (a start and its done must not be "
-            "separated by a loop boundary)");
+    return NoTransferInFlight(handler);
   }
   const int64_t started = NowNs();
   Status status = ticket->Wait(timeout_ms * 1000000);
@@ -218,78 +213,21 @@ std::vector<StreamWait> DrainStreamWaits() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // handle
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // index
-                                  .Arg<ffi::AnyBuffer>()         // after
-                                  .Ret<ffi::AnyBuffer>()         // out
-                                  .Attr<int32_t>("pool_id")
-                                  .Attr<bool>("stacked")
-                                  .Attr<int64_t>("block_rows")
-                                  .Attr<int32_t>("priority")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  // Used by the CUDA handlers only (the
-                                  // same call lowers for either platform).
-                                  .Attr<ffi::Span<const int32_t>>(
-                                      "device_handles")
-                                  .Attr<int64_t>("static_index")
-                                  .Attr<int64_t>("timeout_ms"));
+                              FetchStartSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStartInto, FetchStartIntoImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // handle
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // index
-                                  .Arg<ffi::AnyBuffer>()         // after
-                                  .Arg<ffi::AnyBuffer>()         // into
-                                  .Ret<ffi::AnyBuffer>()         // into, aliased
-                                  .Attr<int32_t>("pool_id")
-                                  .Attr<bool>("stacked")
-                                  .Attr<int64_t>("block_rows")
-                                  .Attr<int32_t>("priority")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  // Used by the CUDA handlers only (the
-                                  // same call lowers for either platform).
-                                  .Attr<ffi::Span<const int32_t>>(
-                                      "device_handles")
-                                  .Attr<int64_t>("static_index")
-                                  .Attr<int64_t>("timeout_ms"));
+                              FetchStartIntoSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchDone, FetchDoneImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // in
-                                  .Arg<ffi::AnyBuffer>()  // after
-                                  .Ret<ffi::AnyBuffer>()  // out, aliased
-                                  .Attr<int64_t>("timeout_ms"));
+                              FetchDoneSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAfter, AfterImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // dep
-                                  .Ret<ffi::AnyBuffer>());  // x, aliased
+                              AfterSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreStart, StoreStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // handle
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // index
-                                  .Arg<ffi::AnyBuffer>()         // in
-                                  .Arg<ffi::AnyBuffer>()         // after
-                                  .Ret<ffi::AnyBuffer>()         // out, aliased
-                                  .Attr<int32_t>("pool_id")
-                                  .Attr<bool>("stacked")
-                                  .Attr<int64_t>("block_rows")
-                                  .Attr<int32_t>("priority")
-                                  .Attr<int64_t>("chunk_bytes")
-                                  // Used by the CUDA handlers only (the
-                                  // same call lowers for either platform).
-                                  .Attr<ffi::Span<const int32_t>>(
-                                      "device_handles")
-                                  .Attr<int64_t>("static_index")
-                                  .Attr<int64_t>("timeout_ms"));
+                              StoreStartSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreDone, StoreDoneImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // in
-                                  .Ret<ffi::AnyBuffer>()  // token
-                                  .Attr<int64_t>("timeout_ms"));
+                              StoreDoneSignature(ffi::Ffi::Bind()));
 
 }  // namespace jcxl

@@ -19,6 +19,14 @@
 namespace jcxl::cuda {
 namespace {
 
+// Every CUDA handler's context: XLA's compute stream and the device.
+template <typename Binding>
+auto CudaContext(Binding&& binding) {
+  return std::move(binding)
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>();
+}
+
 ffi::Error CudaFail(const char* handler, const char* what, cudaError_t error) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string(handler) + ": " + what + ": " +
@@ -445,12 +453,7 @@ ffi::Error Done(const char* handler, cudaStream_t compute, int ordinal,
   JCXL_CUDA_RETURN_IF_ERROR(handler, "cudaSetDevice", cudaSetDevice(ordinal));
   Flight flight;
   if (!InFlight::Get().Take(buffer, &flight)) {
-    return ffi::Error(
-        ffi::ErrorCode::kInternal,
-        std::string(handler) +
-            ": no transfer in flight for this buffer; XLA must have copied "
-            "it between start and done (a start and its done must not be "
-            "separated by a loop boundary)");
+    return NoTransferInFlight(handler);
   }
   cudaError_t error = cudaStreamWaitEvent(compute, flight.done, 0);
   Status status;
@@ -549,8 +552,8 @@ ffi::Error StoreDoneImpl(cudaStream_t stream, int32_t ordinal,
   return ffi::Error::Success();
 }
 
-ffi::Error AfterImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer,
-                     ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error AfterImpl(cudaStream_t stream, int32_t, ffi::AnyBuffer x,
+                     ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out) {
   return CopyIfNotAliased("jcxl_after", stream, out->untyped_data(),
                           x.untyped_data(), x.size_bytes());
 }
@@ -601,82 +604,26 @@ int DeviceCount() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     kCudaFetchStart, FetchStartImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::Buffer<ffi::S32>>()  // handle (unused: device_handles)
-        .Arg<ffi::Buffer<ffi::S32>>()  // index
-        .Arg<ffi::AnyBuffer>()         // after
-        .Ret<ffi::AnyBuffer>()         // out
-        .Attr<int32_t>("pool_id")
-        .Attr<bool>("stacked")
-        .Attr<int64_t>("block_rows")
-        .Attr<int32_t>("priority")
-        .Attr<int64_t>("chunk_bytes")
-        .Attr<ffi::Span<const int32_t>>("device_handles")
-        .Attr<int64_t>("static_index")
-        .Attr<int64_t>("timeout_ms"));
+    FetchStartSignature(CudaContext(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     kCudaFetchStartInto, FetchStartIntoImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::Buffer<ffi::S32>>()  // handle
-        .Arg<ffi::Buffer<ffi::S32>>()  // index
-        .Arg<ffi::AnyBuffer>()         // after
-        .Arg<ffi::AnyBuffer>()         // into
-        .Ret<ffi::AnyBuffer>()         // into, aliased
-        .Attr<int32_t>("pool_id")
-        .Attr<bool>("stacked")
-        .Attr<int64_t>("block_rows")
-        .Attr<int32_t>("priority")
-        .Attr<int64_t>("chunk_bytes")
-        .Attr<ffi::Span<const int32_t>>("device_handles")
-        .Attr<int64_t>("static_index")
-        .Attr<int64_t>("timeout_ms"));
+    FetchStartIntoSignature(CudaContext(ffi::Ffi::Bind())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaFetchDone, FetchDoneImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // in
-                                  .Arg<ffi::AnyBuffer>()  // after
-                                  .Ret<ffi::AnyBuffer>()  // out, aliased
-                                  .Attr<int64_t>("timeout_ms"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kCudaFetchDone, FetchDoneImpl,
+    FetchDoneSignature(CudaContext(ffi::Ffi::Bind())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAfter, AfterImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // dep
-                                  .Ret<ffi::AnyBuffer>());  // x, aliased
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kCudaAfter, AfterImpl,
+    AfterSignature(CudaContext(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     kCudaStoreStart, StoreStartImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::Buffer<ffi::S32>>()  // handle (unused: device_handles)
-        .Arg<ffi::Buffer<ffi::S32>>()  // index
-        .Arg<ffi::AnyBuffer>()         // in
-        .Arg<ffi::AnyBuffer>()         // after
-        .Ret<ffi::AnyBuffer>()         // out, aliased
-        .Attr<int32_t>("pool_id")
-        .Attr<bool>("stacked")
-        .Attr<int64_t>("block_rows")
-        .Attr<int32_t>("priority")
-        .Attr<int64_t>("chunk_bytes")
-        .Attr<ffi::Span<const int32_t>>("device_handles")
-        .Attr<int64_t>("static_index")
-        .Attr<int64_t>("timeout_ms"));
+    StoreStartSignature(CudaContext(ffi::Ffi::Bind())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaStoreDone, StoreDoneImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // in
-                                  .Ret<ffi::AnyBuffer>()  // token
-                                  .Attr<int64_t>("timeout_ms"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kCudaStoreDone, StoreDoneImpl,
+    StoreDoneSignature(CudaContext(ffi::Ffi::Bind())));
 
 }  // namespace jcxl::cuda
