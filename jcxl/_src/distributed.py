@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
 PEER_TIMEOUT_S = 120.0
 _CHECKS = itertools.count()  # the nth pool checked, the same in every process
 _FAILED_PREFIX = "jcxl/failed/"
+_STOPPED_PREFIX = "jcxl/stopped/"
+# Process 0 hosts JAX's coordination service: when it exits, every peer is
+# aborted at once. On a failure it waits this long for the peers to have
+# said their own errors (or stopped) first.
+LEAD_GRACE_S = 5.0
 
 
 def _client() -> Any:
@@ -139,11 +145,34 @@ def fail_together(poll_s: float = 1.0) -> Iterator[None]:
 
 
 def _tell_peers_and_exit(client: Any, me: int, count: int, why: str) -> None:
+  _stop(client, me, count, f"{_FAILED_PREFIX}{me}", why[:4000],
+        f"jcxl: process {me} of {count} failed ({why}); its peers stop too")
+
+
+def _publish(client: Any, key: str, value: str) -> None:
   try:
-    client.key_value_set(f"{_FAILED_PREFIX}{me}", why[:4000])
+    client.key_value_set(key, value)
   except Exception:  # pylint: disable=broad-except
     pass  # the service is gone: the peers' heartbeats will notice
-  _exit(f"jcxl: process {me} of {count} failed ({why}); its peers stop too")
+
+
+def _wait_for_peers(client: Any, me: int, count: int) -> None:
+  """In process 0: until every process failed or stopped (at most
+  LEAD_GRACE_S), so that each prints its own error before the service
+  goes."""
+  if me != 0:
+    return
+  deadline = time.monotonic() + LEAD_GRACE_S
+  while time.monotonic() < deadline:
+    try:
+      ended = {key.rsplit("/", 1)[-1]
+               for prefix in (_FAILED_PREFIX, _STOPPED_PREFIX)
+               for key, _ in client.key_value_dir_get(prefix)}
+    except Exception:  # pylint: disable=broad-except
+      return
+    if len(ended) >= count:
+      return
+    time.sleep(0.1)
 
 
 def _watch_peers(client: Any, me: int, count: int, stop: threading.Event,
@@ -156,16 +185,22 @@ def _watch_peers(client: Any, me: int, count: int, stop: threading.Event,
     for key, why in failed:
       process = key.rsplit("/", 1)[-1]
       if process != str(me):
-        _exit(f"jcxl: process {process} of {count} failed ({why}); "
+        _stop(client, me, count, f"{_STOPPED_PREFIX}{me}", "stopped",
+              f"jcxl: process {process} of {count} failed ({why}); "
               f"stopping process {me} as well")
 
 
-def _exit(message: str) -> None:
-  """Closes the open pools (their nvme files go), says why, and exits
-  without JAX's shutdown barrier, which would wait for the failed peer."""
+def _stop(client: Any, me: int, count: int, key: str, value: str,
+          message: str) -> None:
+  """Closes the open pools (their nvme files go), says why, tells the peers
+  (`key`), and exits without JAX's shutdown barrier, which would wait for
+  the failed peer. The peers learn of it only once this process has said
+  its piece: process 0's exit aborts them."""
   for pool in registry.open_pools():
     with contextlib.suppress(Exception):
       pool.close()
   print(message, file=sys.stderr, flush=True)
   sys.stdout.flush()
+  _publish(client, key, value)
+  _wait_for_peers(client, me, count)
   os._exit(1)
