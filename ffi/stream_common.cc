@@ -126,8 +126,9 @@ StatusOr<uint64_t> SliceOffset(const Slice& slice,
                                int64_t index, const BufferShape& buffer) {
   if (!slice.stacked) return uint64_t{0};
   if (slice.block_rows > 0) {
-    const int64_t rows = buffer.dims[0];
-    if (index < 0 || index > (object_shape[0] - rows) / slice.block_rows) {
+    const int64_t rows = buffer.dims.empty() ? 0 : buffer.dims[0];
+    if (index < 0 || rows < 1 || object_shape.empty() ||
+        index > (object_shape[0] - rows) / slice.block_rows) {
       return Status(Code::kInvalidArgument,
                     Name(slice.handle) + " of shape " +
                         DimsString(object_shape) + " has no block " +
@@ -138,7 +139,7 @@ StatusOr<uint64_t> SliceOffset(const Slice& slice,
     return static_cast<uint64_t>(index) * slice.block_rows *
            (buffer.bytes / rows);
   }
-  if (index < 0 || index >= object_shape[0]) {
+  if (index < 0 || object_shape.empty() || index >= object_shape[0]) {
     return Status(Code::kInvalidArgument,
                   Name(slice.handle) + " of shape " +
                       DimsString(object_shape) + " has no slice " +
