@@ -97,10 +97,7 @@ DEVICE_PUT_FACTOR = 5.0
 DEVICE_PUT_SLOW = 0.2  # "as slow as reported": under 1/5 of cudaMemcpyAsync
 STEP_OVER_RESIDENT = 1.1
 EQUALITY_RTOL = {"cpu": 1e-5, "gpu": 1e-4}  # XLA:GPU may fuse differently
-# Per leaf, plus this much of the leaf's largest value: the attention's key
-# bias has a zero gradient in exact arithmetic, so its gradient is rounding
-# noise that Adam scales up (measured on XLA:CPU: 1.7e-6 on values of 3e-3).
-LEAF_ATOL = 2e-3
+LEAF_ATOL = exp_common.STATE_LEAF_ATOL
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from experiments import cluster
 import jax
 import jax.numpy as jnp
 import jcxl
@@ -61,22 +62,13 @@ def make_step(loss_fn, tx):
   return train_step
 
 
-def fsdp_sharding(mesh, leaf):
-  """Shards the last axis over 'fsdp' where it divides, else replicates."""
-  shape = np.shape(leaf)
-  if shape and shape[-1] % mesh.size == 0:
-    return jax.sharding.NamedSharding(
-        mesh, P(*([None] * (len(shape) - 1)), "fsdp"))
-  return jax.sharding.NamedSharding(mesh, P())
-
-
 def resident_and_placed(params, opt_state, devices, pool):
   """The state on the devices (FSDP over `devices`) and in the cxl tier."""
   if devices == 1:
     return params, opt_state, jcxl.place(params, "cxl", pool=pool), \
         jcxl.place(opt_state, "cxl", pool=pool)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
-  shard = lambda tree: jax.tree.map(lambda l: fsdp_sharding(mesh, l), tree)
+  shard = lambda tree: cluster.fsdp_shardings(mesh, tree)
   return (jax.tree.map(jax.device_put, params, shard(params)),
           jax.tree.map(jax.device_put, opt_state, shard(opt_state)),
           jcxl.place(params, "cxl", pool=pool, sharding=shard(params)),
