@@ -261,3 +261,19 @@ class DifferencesTest:
         pass
       with pytest.raises(ZeroDivisionError), distributed.fail_together():
         1 / 0  # pylint: disable=pointless-statement
+
+
+class ClusterFlagsTest:
+
+  def test_a_process_id_past_the_count_is_refused(self):
+    from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+    from experiments import cluster  # pylint: disable=g-import-not-at-top
+    from experiments import train  # pylint: disable=g-import-not-at-top
+    saved = flagsaver.save_flag_values(train.FLAGS)
+    try:
+      train.FLAGS(["train", "--num_processes=2", "--process_id=2"])
+      with pytest.raises(ValueError, match=r"--process_id must be less "
+                         r"than --num_processes \(2\), but got 2"):
+        cluster.initialize(train._CLUSTER)  # pylint: disable=protected-access
+    finally:
+      flagsaver.restore_flag_values(saved, train.FLAGS)
