@@ -13,6 +13,11 @@ cost model's predicted step time (from what the DAP run measured):
 * ``dap plan, unmeasured``: DAP's tuned plan run as a fixed plan, so that
   dap against it is what DAP's measuring costs.
 
+Each model also runs at the middle bandwidth with a tight device budget
+(what its sync step needs plus --tight_headroom): a fixed distance whose
+step needs more is reported as over budget and not run, while DAP plans
+per layer within it.
+
 Then, on the first model at the middle bandwidth, the link slows by
 --slowdown mid-run: the steps DAP takes to re-plan are counted and its step
 time compared with a DAP run tuned from scratch on the slow link.
@@ -78,10 +83,15 @@ _SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "schedules",
 _STEPS = flags.DEFINE_integer("steps", 8, "timed steps per run",
                               flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
-    "tune_steps", 30, "most untimed steps DAP may tune for",
+    "tune_steps", 40, "most untimed steps DAP may tune for",
     flag_values=FLAGS)
 _BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
                               flag_values=FLAGS)
+_TIGHT_HEADROOM = flags.DEFINE_string(
+    "tight_headroom", "1MiB",
+    "also run each model at the middle bandwidth with a device budget of "
+    "what its sync step needs plus this much (empty: skip)",
+    flag_values=FLAGS)
 _SLOWDOWN = flags.DEFINE_float(
     "slowdown", 2.0, "factor the link slows by mid-run (0: skip)",
     flag_values=FLAGS)
@@ -98,6 +108,7 @@ class Config:
   steps: int
   tune_steps: int
   device_budget: int
+  tight_headroom: int | None
   slowdown: float
   run_dir: str
 
@@ -125,6 +136,9 @@ def config_from_flags() -> Config:
       latency_s=_LATENCY_US.value * 1e-6, schedules=tuple(_SCHEDULES.value),
       steps=_STEPS.value, tune_steps=_TUNE_STEPS.value,
       device_budget=parse_bytes(_BUDGET.value, name="--device_budget"),
+      tight_headroom=(parse_bytes(_TIGHT_HEADROOM.value,
+                                  name="--tight_headroom")
+                      if _TIGHT_HEADROOM.value else None),
       slowdown=_SLOWDOWN.value, run_dir=_RUN_DIR.value)
 
 
@@ -169,18 +183,20 @@ def _tune(step, state, batch, limit) -> tuple[int, Any, list]:
   return limit, state, profiles
 
 
-def run_case(case: Case, bandwidth: float, config: Config) -> dict:
-  """Every schedule on one model and link, timed in interleaved rounds (one
-  step of each schedule per round) so that a shared machine's changing load
-  falls on all of them alike."""
+def run_case(case: Case, bandwidth: float, budget: int,
+             config: Config) -> dict:
+  """Every schedule on one model, link and device budget, timed in
+  interleaved rounds (one step of each schedule per round) so that a shared
+  machine's changing load falls on all of them alike. A schedule whose
+  step needs more than the budget is not run (its need is reported)."""
   link = jcxl.LinkModel(bandwidth, config.latency_s)
   with jcxl.Pool(host="64MiB", cxl="4GiB", cxl_link=link) as pool:
     label = pool.stats()["cxl"].label()
-    runs = {}
+    runs, over = {}, {}
     for schedule in ("dap",) + tuple(s for s in config.schedules
                                       if s != "dap"):
       step = jcxl.cxl_offload(case.step_fn, schedule=schedule,
-                              device_budget=config.device_budget)
+                              device_budget=budget)
       runs[schedule] = [step, case.place(pool), 0]
     step, state, _ = runs["dap"]
     tuned, state, profiles = _tune(step, state, case.batch,
@@ -189,9 +205,12 @@ def run_case(case: Case, bandwidth: float, config: Config) -> dict:
     # The tuned plan again, without the tuner: what staying on costs.
     runs[UNMEASURED] = [jcxl.cxl_offload(
         case.step_fn, schedule=step.plan.as_schedule(),
-        device_budget=config.device_budget), case.place(pool), 0]
-    for run_ in runs.values():  # compile, warm up
-      *run_[1], _ = run_[0](*run_[1], case.batch)
+        device_budget=budget), case.place(pool), 0]
+    for schedule, run_ in list(runs.items()):  # compile, warm up
+      try:
+        *run_[1], _ = run_[0](*run_[1], case.batch)
+      except MemoryError:  # over the budget: reported, not run
+        over[schedule] = runs.pop(schedule)
     times = {s: [] for s in runs}
     for n in range(config.steps):
       for schedule in exp_common.rotated(list(runs), n):
@@ -200,21 +219,34 @@ def run_case(case: Case, bandwidth: float, config: Config) -> dict:
         times[schedule].append(seconds)
     tuner = runs["dap"][0].tuner
     rows = []
-    for schedule, (step, state, tuned) in runs.items():
-      median = statistics.median(times[schedule])
+    for schedule, (step, state, tuned) in {**runs, **over}.items():
+      median = statistics.median(times[schedule]) if schedule in runs else None
       need = step.device_need(*state, case.batch)
-      prefetch = {l.name: l.prefetch for l in step.plan.layers}
-      predicted = tuner.predict(prefetch).step_s
+      prefetch = ({l.name: l.prefetch for l in step.plan.layers}
+                  if schedule in runs else None)
+      predicted = tuner.predict(prefetch).step_s if prefetch else None
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
-                       schedule=schedule, step_ms=median * 1e3,
-                       predicted_ms=predicted * 1e3, device_need=need,
-                       within_budget=need <= config.device_budget,
+                       budget_mib=budget / 2**20, schedule=schedule,
+                       step_ms=_ms(median), predicted_ms=_ms(predicted),
+                       device_need=need, within_budget=need <= budget,
                        tune_steps=tuned, compiles=step.compiles))
-      logging.info("%s %.2f GB/s %s: %.2f ms (predicted %.2f), need %d B",
-                   case.name, bandwidth / 1e9, schedule, median * 1e3,
-                   predicted * 1e3, need)
+      logging.info("%s %.2f GB/s, budget %.1f MiB, %s: %s ms (predicted %s),"
+                   " need %d B", case.name, bandwidth / 1e9, budget / 2**20,
+                   schedule, rows[-1]["step_ms"], rows[-1]["predicted_ms"],
+                   need)
   stall = {"before": profiles[0], "after": profiles[-1]} if profiles else {}
   return {"rows": rows, "label": label, "stall": stall}
+
+
+def _ms(seconds: float | None) -> float | None:
+  return None if seconds is None else seconds * 1e3
+
+
+def sync_need(case: Case) -> int:
+  """Device bytes the model's sync step needs (nothing prefetched)."""
+  with jcxl.Pool(host="64MiB", cxl="4GiB") as pool:
+    step = jcxl.cxl_offload(case.step_fn, schedule="sync")
+    return step.device_need(*case.place(pool), case.batch)
 
 
 def _tuned_dap(case: Case, pool: jcxl.Pool, config: Config) -> tuple:
@@ -253,29 +285,85 @@ def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
               after_over_fresh=after / fresh)
 
 
-def _markdown(rows: list[dict], labels: dict, slowdown: dict | None) -> str:
-  out = ["# DAP against fixed and bucket schedules", ""]
-  out += [f"- {case}: cxl {label}" for case, label in labels.items()]
-  out += ["", "| model | link GB/s | schedule | step ms | predicted ms | "
-          "device need MiB | within budget |", "|---|---|---|---|---|---|---|"]
+def _case_name(model: str, bandwidth_gbps: float, budget_mib: float,
+               config: Config) -> str:
+  name = f"{model} @ {bandwidth_gbps:g} GB/s"
+  if budget_mib * 2**20 != config.device_budget:
+    name += f", budget {budget_mib:.1f} MiB"
+  return name
+
+
+def _cases(rows: list[dict], config: Config) -> dict[str, list[dict]]:
+  out: dict = {}
   for r in rows:
-    out.append(f"| {r['model']} | {r['bandwidth_gbps']:g} | {r['schedule']} |"
-               f" {r['step_ms']:.2f} | {r['predicted_ms']:.2f} | "
-               f"{r['device_need'] / 2**20:.1f} | {r['within_budget']} |")
-  out += ["", "DAP against the best fixed prefetch distance, per case:", ""]
-  for (model, bw), group in _cases(rows).items():
-    fixed = [r for r in group if r["schedule"].startswith("fixed")]
+    out.setdefault(_case_name(r["model"], r["bandwidth_gbps"],
+                              r["budget_mib"], config), []).append(r)
+  return out
+
+
+def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
+  """Per case: DAP against the best fixed distance within the budget."""
+  out = []
+  for name, group in _cases(rows, config).items():
+    ran = [r for r in group if r["step_ms"] is not None]
+    fixed = [r for r in ran if r["schedule"].startswith("fixed")
+             or r["schedule"] == "sync"]
     dap = next(r for r in group if r["schedule"] == "dap")
     best = min(fixed, key=lambda r: r["step_ms"]) if fixed else None
-    plain = next((r for r in group if r["schedule"] == UNMEASURED), None)
-    if best:
-      out.append(f"- {model} @ {bw:g} GB/s: dap {dap['step_ms']:.2f} ms, "
-                 f"best fixed {best['schedule']} {best['step_ms']:.2f} ms "
-                 f"(ratio {dap['step_ms'] / best['step_ms']:.3f}); dap's "
-                 f"predicted/measured {dap['predicted_ms'] / dap['step_ms']:.3f}"
-                 + (f"; dap / its plan unmeasured "
-                    f"{dap['step_ms'] / plain['step_ms']:.3f}" if plain else
-                    ""))
+    plain = next((r for r in ran if r["schedule"] == UNMEASURED), None)
+    stall = stalls.get(name, {})
+    out.append(dict(
+        case=name, dap_ms=dap["step_ms"],
+        best_fixed=best["schedule"] if best else None,
+        best_fixed_ms=best["step_ms"] if best else None,
+        dap_over_best_fixed=(dap["step_ms"] / best["step_ms"]
+                             if best else None),
+        dap_beats_every_fixed=bool(best) and all(
+            dap["step_ms"] < r["step_ms"] for r in fixed),
+        fixed_over_budget=[r["schedule"] for r in group
+                           if r["step_ms"] is None],
+        dap_within_budget=dap["within_budget"],
+        dap_predicted_over_measured=dap["predicted_ms"] / dap["step_ms"],
+        dap_over_unmeasured=(dap["step_ms"] / plain["step_ms"]
+                             if plain else None),
+        stall_before=(stall["before"].stall_fraction if stall else None),
+        stall_after=(stall["after"].stall_fraction if stall else None)))
+  return out
+
+
+def _markdown(rows: list[dict], summary: list[dict], labels: dict,
+              slowdown: dict | None) -> str:
+  out = ["# DAP against fixed and bucket schedules", ""]
+  out += [f"- {case}: cxl {label}" for case, label in labels.items()]
+  out += ["", "| model | link GB/s | budget MiB | schedule | step ms | "
+          "predicted ms | predicted / measured | device need MiB | "
+          "within budget |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    ran = r["step_ms"] is not None
+    out.append(
+        f"| {r['model']} | {r['bandwidth_gbps']:g} | {r['budget_mib']:.1f} | "
+        f"{r['schedule']} | "
+        + (f"{r['step_ms']:.2f} | {r['predicted_ms']:.2f} | "
+           f"{r['predicted_ms'] / r['step_ms']:.3f}" if ran else
+           "over budget, not run | - | -")
+        + f" | {r['device_need'] / 2**20:.1f} | {r['within_budget']} |")
+  out += ["", "DAP against the best fixed prefetch distance (sync = 0) "
+          "within the budget, per case:", "",
+          "| case | dap ms | best fixed | ms | dap / best fixed | dap faster "
+          "than every fixed | fixed over budget | dap predicted / measured "
+          "| dap / its plan unmeasured | stall before -> after tuning |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+  for c in summary:
+    stall = (f"{c['stall_before']:.1%} -> {c['stall_after']:.1%}"
+             if c["stall_before"] is not None else "-")
+    out.append(
+        f"| {c['case']} | {c['dap_ms']:.2f} | {c['best_fixed']} | "
+        f"{c['best_fixed_ms']:.2f} | {c['dap_over_best_fixed']:.3f} | "
+        f"{'yes' if c['dap_beats_every_fixed'] else 'no'} | "
+        f"{', '.join(c['fixed_over_budget']) or '-'} | "
+        f"{c['dap_predicted_over_measured']:.3f} | "
+        + (f"{c['dap_over_unmeasured']:.3f}" if c["dap_over_unmeasured"]
+           else "-") + f" | {stall} |")
   if slowdown:
     out += ["", f"Link slowdown ({slowdown['fast_gbps']:g} -> "
             f"{slowdown['slow_gbps']:g} GB/s) on {slowdown['model']}: re-planned "
@@ -286,36 +374,32 @@ def _markdown(rows: list[dict], labels: dict, slowdown: dict | None) -> str:
   return "\n".join(out) + "\n"
 
 
-def _cases(rows):
-  out: dict = {}
-  for r in rows:
-    out.setdefault((r["model"], r["bandwidth_gbps"]), []).append(r)
-  return out
-
-
-def _plots(rows: list[dict], stalls: dict, title: str, run_dir: str) -> None:
+def _plots(rows: list[dict], stalls: dict, title: str,
+           config: Config) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  cases = _cases(rows)
-  for key, fname, ylabel in (("step_ms", "step_time.png", "step time (ms)"),
+  cases = _cases(rows, config)
+  for key, fname, ylabel in (("step_ms", "step_time.png",
+                              "step time (ms; 0: over budget, not run)"),
                              ("device_need", "memory.png",
                               "device need (bytes)")):
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
     width = 0.8 / len(schedules)
     for j, s in enumerate(schedules):
-      values = [next((r[key] for r in g if r["schedule"] == s), 0)
+      values = [next((r[key] or 0 for r in g if r["schedule"] == s), 0)
                 for g in cases.values()]
       ax.bar([i + j * width for i in range(len(cases))], values, width,
              label=s)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-    ax.set_xticklabels([f"{m}\n{bw:g} GB/s" for m, bw in cases], fontsize=8)
+    ax.set_xticklabels([n.replace(" @ ", "\n").replace(", ", "\n")
+                        for n in cases], fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, fname))
+    fig.savefig(os.path.join(config.run_dir, fname))
     plt.close(fig)
   fig, axes = plt.subplots(1, max(1, len(stalls)), squeeze=False,
                            figsize=(6 * max(1, len(stalls)), 4))
@@ -331,7 +415,7 @@ def _plots(rows: list[dict], stalls: dict, title: str, run_dir: str) -> None:
     ax.set_title(f"{case}\n{title}", fontsize=7)
     ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(run_dir, "stall.png"))
+  fig.savefig(os.path.join(config.run_dir, "stall.png"))
   plt.close(fig)
 
 
@@ -339,33 +423,38 @@ def run(config: Config) -> dict:
   os.makedirs(config.run_dir, exist_ok=True)
   rows, labels, stalls = [], {}, {}
   cases = {name: Case(name) for name in config.models}
+  mid = sorted(config.bandwidths)[len(config.bandwidths) // 2]
   for case in cases.values():
-    for bw in config.bandwidths:
-      result = run_case(case, bw, config)
+    points = [(bw, config.device_budget) for bw in config.bandwidths]
+    if config.tight_headroom is not None:
+      points.append((mid, sync_need(case) + config.tight_headroom))
+    for bw, budget in points:
+      result = run_case(case, bw, budget, config)
       rows += result["rows"]
-      labels[f"{case.name} @ {bw / 1e9:g} GB/s"] = result["label"]
+      name = _case_name(case.name, bw / 1e9, budget / 2**20, config)
+      labels[name] = result["label"]
       if result["stall"]:
-        stalls[f"{case.name} @ {bw / 1e9:g} GB/s"] = result["stall"]
+        stalls[name] = result["stall"]
   slowdown = None
   if config.slowdown:
-    mid = sorted(config.bandwidths)[len(config.bandwidths) // 2]
     slowdown = run_slowdown(cases[config.models[0]], mid, config)
-  machine = exp_common.machine_description() if hasattr(
-      exp_common, "machine_description") else f"{os.cpu_count()} cores"
   title = (f"cxl EMULATED (link bandwidths {[b / 1e9 for b in config.bandwidths]}"
-           f" GB/s, {config.latency_s * 1e6:g} us per transfer); {machine}")
+           f" GB/s, {config.latency_s * 1e6:g} us per transfer); "
+           f"{os.cpu_count()} cores, XLA:CPU as the device")
   with open(os.path.join(config.run_dir, "results.csv"), "w",
             newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-  text = f"{title}\n\n" + _markdown(rows, labels, slowdown)
+  summary = summarize(rows, stalls, config)
+  text = f"{title}\n\n" + _markdown(rows, summary, labels, slowdown)
   with open(os.path.join(config.run_dir, "results.md"), "w",
             encoding="utf-8") as f:
     f.write(text)
-  _plots(rows, stalls, title, config.run_dir)
+  _plots(rows, stalls, title, config)
   print(text)
-  return {"rows": rows, "slowdown": slowdown, "title": title}
+  return {"rows": rows, "summary": summary, "slowdown": slowdown,
+          "title": title}
 
 
 def main(argv: Sequence[str]) -> None:

@@ -24,13 +24,30 @@ class DapExperimentTest:
     results = run_program("--models=wide_narrow", "--bandwidths=4GB/s",
                           "--schedules=sync,fixed:1,dap", "--steps=1",
                           "--tune_steps=8", "--slowdown=2",
+                          "--tight_headroom=1MiB",
                           f"--run_dir={out}")
     rows = list(csv.DictReader(open(out / "results.csv")))
-    assert [r["schedule"] for r in rows] == ["dap", "sync", "fixed:1",
-                                             dap.UNMEASURED]
+    loose = [r for r in rows if float(r["budget_mib"]) == 1024]
+    assert [r["schedule"] for r in loose] == ["dap", "sync", "fixed:1",
+                                              dap.UNMEASURED]
     assert all(float(r["step_ms"]) > 0 and float(r["predicted_ms"]) > 0
-               for r in rows)
-    assert all(r["within_budget"] == "True" for r in rows)
+               for r in loose)
+    assert all(r["within_budget"] == "True" for r in loose)
+    # The tight budget: sync's need plus 1 MiB, less than one of the 2 MiB
+    # wide layers prefetched ahead. fixed:1 is over it and not run; DAP
+    # (and its plan) stay within it.
+    tight = {r["schedule"]: r for r in rows if r not in loose}
+    budget = float(tight["sync"]["budget_mib"]) * 2**20
+    assert float(tight["sync"]["device_need"]) == budget - 2**20
+    assert tight["fixed:1"]["step_ms"] == ""
+    assert tight["fixed:1"]["within_budget"] == "False"
+    assert float(tight["fixed:1"]["device_need"]) > budget
+    for name in ("dap", dap.UNMEASURED):
+      assert float(tight[name]["step_ms"]) > 0
+      assert float(tight[name]["device_need"]) <= budget
+    summary = {c["case"]: c for c in results["summary"]}
+    assert summary[f"wide_narrow @ 4 GB/s, budget {budget / 2**20:.1f} MiB"][
+        "fixed_over_budget"] == ["fixed:1"]
     for name in ("results.md", "step_time.png", "memory.png", "stall.png"):
       assert (out / name).stat().st_size > 0
     text = (out / "results.md").read_text()

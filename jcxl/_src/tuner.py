@@ -4,13 +4,14 @@ It starts from the cost model's plan (layer bytes, the tiers' links,
 compute estimated from the step's equations) within the device budget,
 then measures a few steps, re-plans from what it measured (each segment's
 compute, each tier's achieved bandwidth) and recompiles only when the plan
-changes, a bounded number of times. When the model's plan holds, it also
-measures a few uniform prefetch distances within the budget once, and
-keeps whichever plan measured fastest: the model does not see everything
-(copies competing with compute for the host's cores, say), the device
-does. Once settled, it measures one step every so often; when the measured
-step drifts from the plan's prediction (a link slowed because another job
-shares it, say) it measures again and re-plans.
+changes, a bounded number of times. When the model's plan holds, it races
+it against a few uniform prefetch distances within the budget (compiled
+once each, run in turn, one step each per round) and keeps whichever ran
+fastest: the model does not see everything (copies competing with compute
+for the host's cores, say), the device does. Once settled, it measures one
+step every so often; when a link or the step time moves from what the plan
+was made for (a link slowed because another job shares it, say), and a
+few more measured steps confirm it, it re-plans and races again.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class TunerOptions:
       against what the plan was made for, that triggers a re-plan.
     min_gain: fraction of the step a re-plan must be predicted to save
       for the tuner to switch plans (and recompile).
-    explore: uniform prefetch distances measured once the model's plan
-      holds (each within the budget, each one compile); the fastest
-      measured plan is kept.
+    explore: uniform prefetch distances raced against the model's plan
+      once it holds (each within the budget, each one compile); the
+      fastest is kept.
+    race_rounds: measured rounds of a race (each candidate runs one step
+      a round, after one round that warms them up).
   """
   warmup_steps: int = 1
   measure_steps: int = 3
@@ -53,13 +56,14 @@ class TunerOptions:
   drift: float = 0.15
   min_gain: float = 0.02
   explore: tuple[int, ...] = (1, 2, 3)
+  race_rounds: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class TunerEvent:
   """One thing the tuner did, for its history."""
   step: int
-  what: str  # plan, replan, explore, converged, drift, revert, frozen, budget
+  what: str  # plan, replan, holds, race, raced, drift, frozen, budget
   predicted_s: float | None
   measured_s: float | None
   detail: str = ""
@@ -92,9 +96,11 @@ class Tuner:
     # is dropped for the best one measured (without a recompile).
     self._versions: dict[LayerSchedule, int] = {}
     self._measured: dict[LayerSchedule, float] = {}
-    self._to_explore: list[int] = list(options.explore)
-    self._exploring = False
-    self._explore_from: LayerSchedule | None = None
+    # The race in progress: each candidate's measured step times.
+    self._race: dict[LayerSchedule, list[float]] = {}
+    self._race_queue: list[LayerSchedule] = []
+    self._race_base: LayerSchedule | None = None  # the model's plan
+    self._race_round = 0
     # Step time the model does not see (dispatch, host work), measured
     # against its prediction for the plan that ran; added to predictions.
     self._overhead_s = 0.0
@@ -146,7 +152,6 @@ class Tuner:
       if self.replans >= self.options.max_replans:
         self._event("frozen", measured_s, "re-plan limit reached "
                     f"({self.options.max_replans}); keeping the plan")
-        self._state = "steady"
         return False
       self.replans += 1
     self.version = self._versions.setdefault(schedule, len(self._versions))
@@ -154,7 +159,7 @@ class Tuner:
     self.prediction = choice.prediction
     self.reasons = choice.reasons
     self._planned_for = {t: l.bandwidth for t, l in self._links.items()}
-    self._event(what if changed else "converged", measured_s,
+    self._event(what if changed else "holds", measured_s,
                 "; ".join(choice.reasons))
     return changed
 
@@ -167,6 +172,14 @@ class Tuner:
     if self.budget is None or need_bytes <= self.budget:
       return False
     before = self.schedule
+    if self._race:  # a raced candidate over the budget leaves the race
+      del self._race[before]
+      self._race_queue = [c for c in self._race_queue if c != before]
+      self._event("budget", None, f"{_describe(before, self._race_base)} "
+                  f"needs {need_bytes} B of device memory, over the budget: "
+                  "out of the race")
+      self._switch(self._race_base)
+      return True
     self._replan("budget", measured_s=None, over_budget=True)
     return self.schedule != before
 
@@ -176,14 +189,15 @@ class Tuner:
     """Whether the next step should be measured."""
     if self._state == "warmup":
       return self._steps >= self.options.warmup_steps
-    if self._state == "measure":
+    if self._state != "steady":
       return True
     return self._since_check + 1 >= self.options.check_every
 
   def step_done(self, profile: StepProfile | None) -> bool:
     """Takes the next step's measurement (None: not measured).
 
-    Returns whether the plan changed (the step must be recompiled).
+    Returns whether the next step runs another plan (compiled already or
+    to be compiled).
     """
     self._steps += 1
     if profile is None:
@@ -191,101 +205,133 @@ class Tuner:
       return False
     if self._state == "steady":
       self._since_check = 0
-      if not self._drifted(profile):
+      if not self._drifted([profile]):
         return False
-      self._event("drift", profile.step_s,
-                  f"measured {profile.step_s * 1e3:.2f} ms against "
-                  f"{_ms(self._baseline_s)} when the plan converged; "
-                  "links " + ", ".join(
-                      f"{t} {b / 1e9:.2f} GB/s"
-                      for t, b in profile.bandwidth_by_tier.items()))
-      self._window = []
-      self._measured.clear()  # times under the old conditions
-      self._to_explore = list(self.options.explore)
-    self._state = "measure"
+      # One slow step is often just the machine: measure a few more
+      # before believing it (no re-plan, no recompile on noise).
+      self._state, self._window = "confirm", [profile]
+      return False
+    if self._state == "race":
+      return self._race_step(profile)
     self._window.append(profile)
     if len(self._window) < self.options.measure_steps:
       return False
     measured = statistics.median(p.step_s for p in self._window)
+    if self._state == "confirm":
+      if not self._drifted(self._window):
+        self._state, self._window = "steady", []
+        return False
+      self._event("drift", measured,
+                  f"measured {measured * 1e3:.2f} ms against "
+                  f"{_ms(self._baseline_s)} when the plan converged; "
+                  "links " + ", ".join(
+                      f"{t} {b / 1e9:.2f} GB/s" for t, b in
+                      _median_bandwidths(self._window).items()))
+      self._measured.clear()  # times under the old conditions
     self._measured[self.schedule] = measured
-    if self._exploring:
-      return self._explore_next(measured)
-    best = min(self._measured, key=self._measured.get)
-    if self._measured[best] * (1 + self.options.min_gain) < measured:
-      self._revert(best, measured)
-      return True
     changed = self._learn_and_replan(measured)
     self._window = []
-    if not changed:
-      if self._to_explore:
-        return self._explore_next(measured)
-      self._state = "steady"
-      self._baseline_s = measured
-    return changed
+    self._state = "measure"
+    if changed:
+      return True
+    return self._start_race(measured)
 
-  def _explore_next(self, measured_s: float) -> bool:
-    """Switches to the next uniform distance to measure; when none is
-    left, settles on the fastest plan measured. Returns whether the plan
-    changed."""
-    self._window = []
-    # The candidates keep the model's plan's layers and chunk sizes.
-    base = self._explore_from = self._explore_from or self.schedule
-    while self._to_explore:
-      k = self._to_explore.pop(0)
+  # -------------------------------------------------------------- racing
+  #
+  # The model's plan is checked against what the device does: the plan and
+  # the uniform distances of `options.explore` (within the budget) run in
+  # turn, one step each per round, for `race_rounds` rounds after a round
+  # that warms each compiled plan up. Interleaving puts the machine's
+  # changing load on every candidate alike; each is judged by its median.
+
+  def _start_race(self, measured_s: float) -> bool:
+    base = self.schedule
+    candidates = [base]
+    if self._measured:  # a plan the model left may have run faster
+      fastest = min(self._measured, key=self._measured.get)
+      if fastest != base:
+        candidates.append(fastest)
+    for k in self.options.explore:
       candidate = LayerSchedule.of(
           {name: k for name, _ in base.prefetch}, dict(base.chunk_bytes),
           name="dap")
       budget = self.prefetch_budget
-      if candidate in self._measured or (
+      if candidate in candidates or (
           budget is not None and costmodel.peak_prefetch_bytes(
               self._segments, dict(candidate.prefetch)) > budget):
         continue
       if candidate not in self._versions:
         if self.replans >= self.options.max_replans:
-          break
+          continue
         self.replans += 1
-      self._exploring = True
-      self._switch(candidate)
-      self._state = "measure"
-      self._event("explore", measured_s,
-                  f"measuring every layer {k} ahead against the model's "
-                  "plan")
-      return True
-    self._exploring = False
-    self._explore_from = None
-    best = min(self._measured, key=self._measured.get)
-    if best != self.schedule:
-      self._revert(best, measured_s)
-      return True
+      candidates.append(candidate)
+    if len(candidates) == 1:
+      self._settle(base, measured_s)
+      return False
+    self._race = {c: [] for c in candidates}
+    self._race_base = base
+    self._race_round = 0
+    self._race_queue = list(candidates)
+    self._event("race", measured_s, "measuring in turn: " + ", ".join(
+        _describe(c, base) for c in candidates))
+    self._state = "race"
+    self._switch(self._race_queue.pop(0))
+    return True
+
+  def _race_step(self, profile: StepProfile) -> bool:
+    if self._race_round > 0:  # round 0 warms each compiled plan up
+      self._race[self.schedule].append(profile.step_s)
+    if not self._race_queue:
+      self._race_round += 1
+      if self._race_round > self.options.race_rounds:
+        return self._end_race()
+      order = list(self._race)
+      shift = self._race_round % len(order)
+      self._race_queue = order[shift:] + order[:shift]
+    before = self.schedule
+    self._switch(self._race_queue.pop(0))
+    return self.schedule != before
+
+  def _end_race(self) -> bool:
+    medians = {c: statistics.median(t) for c, t in self._race.items() if t}
+    self._measured.update(medians)
+    best = min(medians, key=medians.get)
+    base = self._race_base
+    verdict = ("raced (median step): " + ", ".join(
+        f"{_describe(c, base)} {t * 1e3:.2f} ms" for c, t in medians.items())
+               + f"; keeping {_describe(best, base)}")
+    self._event("raced", medians[best], verdict)
+    self.reasons = tuple(r for r in self.reasons
+                         if not r.startswith("raced")) + (verdict,)
+    self._race = {}
+    before = self.schedule
+    self._settle(best, medians[best])
+    return self.schedule != before
+
+  def _settle(self, schedule: LayerSchedule, measured_s: float) -> None:
+    self._switch(schedule)
+    self._window = []
     self._state = "steady"
     self._baseline_s = measured_s
-    return False
+    self._since_check = 0
 
   def _switch(self, schedule: LayerSchedule) -> None:
     self.schedule = schedule
     self.version = self._versions.setdefault(schedule, len(self._versions))
     self.prediction = self.predict(dict(schedule.prefetch))
 
-  def _drifted(self, profile: StepProfile) -> bool:
-    """Whether a link or the step time moved from what the plan was
-    made for (the step time against the one measured when it converged)."""
+  def _drifted(self, profiles: Sequence[StepProfile]) -> bool:
+    """Whether a link or the step time (medians over `profiles`) moved
+    from what the plan was made for (the step time against the one
+    measured when it converged)."""
     tolerance = self.options.drift
-    for tier, bw in profile.bandwidth_by_tier.items():
+    for tier, bw in _median_bandwidths(profiles).items():
       planned = self._planned_for.get(tier)
       if planned and abs(bw - planned) > tolerance * planned:
         return True
     base = self._baseline_s
-    return bool(base) and abs(profile.step_s - base) > tolerance * base
-
-  def _revert(self, best: LayerSchedule, measured_s: float) -> None:
-    """Back to the fastest plan measured (compiled already)."""
-    self._event("revert", measured_s,
-                f"this plan measured {measured_s * 1e3:.2f} ms, the fastest "
-                f"one {self._measured[best] * 1e3:.2f} ms: back to it")
-    self._switch(best)
-    self._window = []
-    self._state = "steady"
-    self._baseline_s = self._measured[best]
+    step_s = statistics.median(p.step_s for p in profiles)
+    return bool(base) and abs(step_s - base) > tolerance * base
 
   def _learn_and_replan(self, measured_s: float) -> bool:
     window = self._window
@@ -328,6 +374,24 @@ class Tuner:
   @property
   def links(self) -> dict[str, costmodel.Link]:
     return dict(self._links)
+
+
+def _median_bandwidths(profiles: Sequence[StepProfile]) -> dict[str, float]:
+  seen: dict[str, list[float]] = {}
+  for p in profiles:
+    for tier, bw in p.bandwidth_by_tier.items():
+      seen.setdefault(tier, []).append(bw)
+  return {tier: statistics.median(bws) for tier, bws in seen.items()}
+
+
+def _describe(schedule: LayerSchedule, base: LayerSchedule) -> str:
+  """How a raced plan is named in the tuner's history."""
+  if schedule == base:
+    return "the model's plan"
+  distances = set(dict(schedule.prefetch).values())
+  if len(distances) == 1:
+    return f"every layer {distances.pop()} ahead"
+  return "an earlier plan"
 
 
 def _ms(seconds: float | None) -> str:
