@@ -255,10 +255,16 @@ def plan(segments: Sequence[Segment], links: Mapping[str, Link], *,
   layer holds device memory it does not need.
   """
   names = list(dict.fromkeys(s.name for s in segments if s.nbytes))
+  # A fetch cannot be issued before the first segment of its sequence
+  # (the step's start, or a streamed loop's first iteration).
+  sequence_length: dict[int, int] = {}
+  for s in segments:
+    sequence_length[s.sequence] = sequence_length.get(s.sequence, 0) + 1
   lengths: dict[str, int] = {}
-  for s in segments:  # a streamed loop cannot prefetch past its end
+  for s in segments:
     if s.nbytes:
-      lengths[s.name] = lengths.get(s.name, 0) + 1
+      lengths[s.name] = max(lengths.get(s.name, 0),
+                            sequence_length[s.sequence] - 1)
   chunks = choose_chunks(segments, links)
   prefetch = {n: min((start or {}).get(n, 0), max_prefetch) for n in names}
 

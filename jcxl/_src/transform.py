@@ -554,10 +554,14 @@ class OffloadedStep:
     prep = self._prepare(args)
     compiled = self._lower(args, prep).compile()
     self.compiles += 1
-    # A DAP plan learns the step's memory without prefetch from its first
-    # compile; a plan over the budget is re-planned once, within it.
-    if self.tuner and self.tuner.calibrate(
+    # A DAP plan learns the step's memory without prefetch from its
+    # compiles; a plan over the budget is re-planned within it, with less
+    # prefetch each time (so this ends), or leaves a race for a plan
+    # compiled already.
+    while self.tuner and self.tuner.calibrate(
         device_need(compiled.memory_analysis())):
+      if self._cache_key(args) in self._compiled:
+        return self._compiled[self._cache_key(args)]
       compiled = self._lower(args, prep).compile()
       self.compiles += 1
     self._check_budget(compiled)

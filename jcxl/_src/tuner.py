@@ -83,6 +83,7 @@ class Tuner:
     self.prediction: costmodel.Prediction | None = None
     self.reasons: tuple[str, ...] = ()
     self._base_bytes: int | None = None  # device need with no prefetch
+    self._base_floor = 0  # raised by each plan found over the budget
     self._segments: list[costmodel.Segment] = []
     self._links: dict[str, costmodel.Link] = {}
     self._planned_for: dict[str, float] = {}  # tier -> bandwidth used
@@ -149,7 +150,9 @@ class Tuner:
             choice, prediction=current)
     changed = schedule != self.schedule
     if changed and self.schedule is not None:
-      if self.replans >= self.options.max_replans:
+      # Re-plans into the budget are not limited (each has less prefetch
+      # than the last, see calibrate); the others are.
+      if self.replans >= self.options.max_replans and not over_budget:
         self._event("frozen", measured_s, "re-plan limit reached "
                     f"({self.options.max_replans}); keeping the plan")
         return False
@@ -165,12 +168,21 @@ class Tuner:
 
   def calibrate(self, need_bytes: int) -> bool:
     """Learns the device need without prefetch from a compiled plan's
-    need; re-plans (True) if that plan is over the budget."""
+    need; re-plans (True) if that plan is over the budget.
+
+    The device's need does not grow byte for byte with the prefetched
+    bytes (XLA reuses buffers around its peak), so a plan over the budget
+    leaves later plans at most half its prefetch, less the overage: the
+    re-plans that follow end within log2 of its prefetched bytes.
+    """
     peak = costmodel.peak_prefetch_bytes(self._segments,
                                          dict(self.schedule.prefetch))
-    self._base_bytes = need_bytes - peak
+    self._base_bytes = max(need_bytes - peak, self._base_floor)
     if self.budget is None or need_bytes <= self.budget:
       return False
+    allowed = min(self.budget - need_bytes + peak, peak // 2)
+    self._base_floor = max(self._base_floor, self.budget - allowed)
+    self._base_bytes = max(self._base_bytes, self._base_floor)
     before = self.schedule
     if self._race:  # a raced candidate over the budget leaves the race
       del self._race[before]
@@ -304,6 +316,12 @@ class Tuner:
     self.reasons = tuple(r for r in self.reasons
                          if not r.startswith("raced")) + (verdict,)
     self._race = {}
+    # The race's medians (interleaved, compiled steps warmed up) say more
+    # than the window measured right after a recompile: what the model
+    # does not see is learned again from the kept plan's.
+    self._overhead_s = 0.0
+    self._overhead_s = max(
+        0.0, medians[best] - self.predict(dict(best.prefetch)).step_s)
     before = self.schedule
     self._settle(best, medians[best])
     return self.schedule != before
