@@ -13,10 +13,10 @@ cost model's predicted step time (from what the DAP run measured):
 * ``dap plan, unmeasured``: DAP's tuned plan run as a fixed plan, so that
   dap against it is what DAP's measuring costs.
 
-Each model also runs at the middle bandwidth with a tight device budget
-(what its sync step needs plus --tight_headroom): a fixed distance whose
-step needs more is reported as over budget and not run, while DAP plans
-per layer within it.
+The --tight_models also run at the middle bandwidth with a tight device
+budget (what their sync step needs plus --tight_headroom): a fixed
+distance whose step needs more is reported as over budget and not run,
+while DAP plans per layer within it.
 
 Then, on the first model at the middle bandwidth, the link slows by
 --slowdown mid-run: the steps DAP takes to re-plan are counted and its step
@@ -25,7 +25,7 @@ time compared with a DAP run tuned from scratch on the slow link.
 Writes results.csv, results.md, step_time.png, memory.png and stall.png
 into --run_dir; the emulated link parameters are in every title.
 
-  python -m experiments.dap --models=gpt2_bigvocab,wide_narrow \
+  python -m experiments.dap --models=gpt2_bigvocab,wide_narrow,one_big \
       --bandwidths=0.5GB/s,2GB/s,16GB/s --steps=8 --run_dir=runs/dap
 """
 
@@ -46,6 +46,8 @@ import jax
 import optax
 
 import jcxl
+from jcxl._src import costmodel
+from jcxl._src.transform import step_timeline
 from jcxl._src.units import parse_bandwidth
 from jcxl._src.units import parse_bytes
 from experiments import common as exp_common
@@ -64,8 +66,14 @@ MODELS = {
     # Blocks alternate narrow->wide and wide->narrow.
     "wide_narrow": lambda: mlp.wide_narrow(narrow=256, wide=2048,
                                            num_blocks=6),
+    # Small blocks around one 1024 x 1024 block (4 MiB, 12 MiB with its
+    # adamw state): under a tight budget only the small ones can be
+    # fetched ahead.
+    "one_big": lambda: mlp.MLPConfig(
+        in_dim=256, widths=(256,) * 6 + (1024, 1024) + (256,) * 6,
+        out_dim=256),
 }
-BATCHES = {"gpt2_bigvocab": 8, "wide_narrow": 256}
+BATCHES = {"gpt2_bigvocab": 8, "wide_narrow": 256, "one_big": 256}
 SCHEDULES = ("sync", "fixed:1", "fixed:2", "fixed:3", "bucket", "dap")
 # DAP's tuned plan run as a fixed plan: DAP's measuring is what differs.
 UNMEASURED = "dap plan, unmeasured"
@@ -87,11 +95,13 @@ _TUNE_STEPS = flags.DEFINE_integer(
     flag_values=FLAGS)
 _BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
                               flag_values=FLAGS)
+_TIGHT_MODELS = flags.DEFINE_list(
+    "tight_models", ["one_big"],
+    "models also run at the middle bandwidth with a tight device budget: "
+    "what their sync step needs plus --tight_headroom", flag_values=FLAGS)
 _TIGHT_HEADROOM = flags.DEFINE_string(
-    "tight_headroom", "1MiB",
-    "also run each model at the middle bandwidth with a device budget of "
-    "what its sync step needs plus this much (empty: skip)",
-    flag_values=FLAGS)
+    "tight_headroom", "2MiB", "device memory over the sync step's need in "
+    "the tight-budget runs", flag_values=FLAGS)
 _SLOWDOWN = flags.DEFINE_float(
     "slowdown", 2.0, "factor the link slows by mid-run (0: skip)",
     flag_values=FLAGS)
@@ -108,12 +118,13 @@ class Config:
   steps: int
   tune_steps: int
   device_budget: int
-  tight_headroom: int | None
+  tight_models: tuple[str, ...]
+  tight_headroom: int
   slowdown: float
   run_dir: str
 
   def validate(self) -> None:
-    for m in self.models:
+    for m in self.models + self.tight_models:
       if m not in MODELS:
         raise ValueError(f"--models: unknown model {m!r}; known: "
                          f"{sorted(MODELS)}")
@@ -136,9 +147,9 @@ def config_from_flags() -> Config:
       latency_s=_LATENCY_US.value * 1e-6, schedules=tuple(_SCHEDULES.value),
       steps=_STEPS.value, tune_steps=_TUNE_STEPS.value,
       device_budget=parse_bytes(_BUDGET.value, name="--device_budget"),
-      tight_headroom=(parse_bytes(_TIGHT_HEADROOM.value,
-                                  name="--tight_headroom")
-                      if _TIGHT_HEADROOM.value else None),
+      tight_models=tuple(_TIGHT_MODELS.value),
+      tight_headroom=parse_bytes(_TIGHT_HEADROOM.value,
+                                 name="--tight_headroom"),
       slowdown=_SLOWDOWN.value, run_dir=_RUN_DIR.value)
 
 
@@ -154,6 +165,19 @@ class Case:
     self.batch = family.example_batch(config, batch_size=BATCHES[name])
     self.step_fn = exp_common.make_train_step(family.make_loss(config),
                                               self.tx)
+    # The step as the planner sees it before anything runs (compute
+    # estimated from its equations), for the offline predictions.
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            ((self.params, self.tx.init(self.params)),
+                             self.batch))
+    self.timeline, _ = step_timeline(self.step_fn, *abstract)
+
+  def offline_prediction(self, plan: Any, link: jcxl.LinkModel) -> float:
+    """The step time the cost model gives `plan` from estimates alone."""
+    return costmodel.simulate(
+        self.timeline, {l.name: l.prefetch for l in plan.layers},
+        {"cxl": costmodel.Link(link.bandwidth, link.latency_s)},
+        {l.name: l.chunk_bytes for l in plan.layers}).step_s
 
   def place(self, pool):
     return (jcxl.place(self.params, "cxl", pool=pool),
@@ -171,16 +195,22 @@ def _timed(step, state, batch, n) -> tuple[float, Any]:
 
 
 def _tune(step, state, batch, limit) -> tuple[int, Any, list]:
-  """Runs untimed steps until DAP converges; returns the steps taken."""
-  profiles = []
+  """Runs untimed steps until DAP converges; returns the steps taken, the
+  state, and the first measured step's profile and the last one of the
+  plan it settled on."""
+  profiles = []  # (the plan's compiled version, its profile)
+  n = 0
   for n in range(1, limit + 1):
+    version = step.tuner.version
     *state, _ = step(*state, batch)
     if step.last_profile is not None and (
-        not profiles or profiles[-1] is not step.last_profile):
-      profiles.append(step.last_profile)
+        not profiles or profiles[-1][1] is not step.last_profile):
+      profiles.append((version, step.last_profile))
     if step.tuner.converged:
-      return n, state, profiles
-  return limit, state, profiles
+      break
+  kept = [p for v, p in profiles if v == step.tuner.version]
+  ends = [profiles[0][1], (kept or [profiles[-1][1]])[-1]] if profiles else []
+  return n, state, ends
 
 
 def run_case(case: Case, bandwidth: float, budget: int,
@@ -225,9 +255,12 @@ def run_case(case: Case, bandwidth: float, budget: int,
       prefetch = ({l.name: l.prefetch for l in step.plan.layers}
                   if schedule in runs else None)
       predicted = tuner.predict(prefetch).step_s if prefetch else None
+      offline = (case.offline_prediction(step.plan, link) if prefetch
+                 else None)
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
                        budget_mib=budget / 2**20, schedule=schedule,
                        step_ms=_ms(median), predicted_ms=_ms(predicted),
+                       offline_predicted_ms=_ms(offline),
                        device_need=need, within_budget=need <= budget,
                        tune_steps=tuned, compiles=step.compiles))
       logging.info("%s %.2f GB/s, budget %.1f MiB, %s: %s ms (predicted %s),"
@@ -324,6 +357,8 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
                            if r["step_ms"] is None],
         dap_within_budget=dap["within_budget"],
         dap_predicted_over_measured=dap["predicted_ms"] / dap["step_ms"],
+        dap_offline_over_measured=(dap["offline_predicted_ms"] /
+                                   dap["step_ms"]),
         dap_over_unmeasured=(dap["step_ms"] / plain["step_ms"]
                              if plain else None),
         stall_before=(stall["before"].stall_fraction if stall else None),
@@ -335,24 +370,30 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
               slowdown: dict | None) -> str:
   out = ["# DAP against fixed and bucket schedules", ""]
   out += [f"- {case}: cxl {label}" for case, label in labels.items()]
-  out += ["", "| model | link GB/s | budget MiB | schedule | step ms | "
-          "predicted ms | predicted / measured | device need MiB | "
-          "within budget |", "|---|---|---|---|---|---|---|---|---|"]
+  out += ["", "Predicted: the cost model on what DAP measured (each "
+          "segment's compute, the link); offline: on estimates alone "
+          "(compute from the step's equations, the emulated link), as "
+          "`experiments.plan` plans.", "",
+          "| model | link GB/s | budget MiB | schedule | step ms | "
+          "predicted ms | predicted / measured | offline / measured | "
+          "device need MiB | within budget |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     ran = r["step_ms"] is not None
     out.append(
         f"| {r['model']} | {r['bandwidth_gbps']:g} | {r['budget_mib']:.1f} | "
         f"{r['schedule']} | "
         + (f"{r['step_ms']:.2f} | {r['predicted_ms']:.2f} | "
-           f"{r['predicted_ms'] / r['step_ms']:.3f}" if ran else
-           "over budget, not run | - | -")
+           f"{r['predicted_ms'] / r['step_ms']:.3f} | "
+           f"{r['offline_predicted_ms'] / r['step_ms']:.3f}" if ran else
+           "over budget, not run | - | - | -")
         + f" | {r['device_need'] / 2**20:.1f} | {r['within_budget']} |")
   out += ["", "DAP against the best fixed prefetch distance (sync = 0) "
           "within the budget, per case:", "",
           "| case | dap ms | best fixed | ms | dap / best fixed | dap faster "
           "than every fixed | fixed over budget | dap predicted / measured "
-          "| dap / its plan unmeasured | stall before -> after tuning |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "| offline | dap / its plan unmeasured | stall before -> after "
+          "tuning |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for c in summary:
     stall = (f"{c['stall_before']:.1%} -> {c['stall_after']:.1%}"
              if c["stall_before"] is not None else "-")
@@ -362,6 +403,7 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
         f"{'yes' if c['dap_beats_every_fixed'] else 'no'} | "
         f"{', '.join(c['fixed_over_budget']) or '-'} | "
         f"{c['dap_predicted_over_measured']:.3f} | "
+        f"{c['dap_offline_over_measured']:.3f} | "
         + (f"{c['dap_over_unmeasured']:.3f}" if c["dap_over_unmeasured"]
            else "-") + f" | {stall} |")
   if slowdown:
@@ -426,7 +468,7 @@ def run(config: Config) -> dict:
   mid = sorted(config.bandwidths)[len(config.bandwidths) // 2]
   for case in cases.values():
     points = [(bw, config.device_budget) for bw in config.bandwidths]
-    if config.tight_headroom is not None:
+    if case.name in config.tight_models:
       points.append((mid, sync_need(case) + config.tight_headroom))
     for bw, budget in points:
       result = run_case(case, bw, budget, config)

@@ -24,6 +24,7 @@ class DapExperimentTest:
     results = run_program("--models=wide_narrow", "--bandwidths=4GB/s",
                           "--schedules=sync,fixed:1,dap", "--steps=1",
                           "--tune_steps=8", "--slowdown=2",
+                          "--tight_models=wide_narrow",
                           "--tight_headroom=1MiB",
                           f"--run_dir={out}")
     rows = list(csv.DictReader(open(out / "results.csv")))
@@ -31,7 +32,7 @@ class DapExperimentTest:
     assert [r["schedule"] for r in loose] == ["dap", "sync", "fixed:1",
                                               dap.UNMEASURED]
     assert all(float(r["step_ms"]) > 0 and float(r["predicted_ms"]) > 0
-               for r in loose)
+               and float(r["offline_predicted_ms"]) > 0 for r in loose)
     assert all(r["within_budget"] == "True" for r in loose)
     # The tight budget: sync's need plus 1 MiB, less than one of the 2 MiB
     # wide layers prefetched ahead. fixed:1 is over it and not run; DAP

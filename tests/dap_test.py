@@ -268,6 +268,9 @@ class DapStepTest:
       if step.tuner.converged:
         break
     assert step.tuner.converged
+    # The plan shown is the one settled on (not the race's last one).
+    assert all(l.prefetch == step.tuner.schedule.prefetch_for(l.name)
+               for l in step.plan.layers)
     fast = step.tuner.links["cxl"].bandwidth
     seen = len(step.tuner.history)
     pool.set_link("cxl", jcxl.LinkModel("10MB/s", 5e-6))

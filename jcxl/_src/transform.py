@@ -612,6 +612,11 @@ class OffloadedStep:
           self._collect(), self._first_device, window, self._segments)
     if self.tuner:
       self.tuner.step_done(self.last_profile if measure else None)
+      # `plan` is the one the next step runs, when it is compiled already
+      # (a race moving on, or settling on the plan it keeps).
+      entry = self._compiled.get(self._cache_key(args))
+      if entry is not None:
+        self.plan = entry[3]
     results = iter(self._last_results)
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     return jax.tree_util.tree_unflatten(

@@ -55,7 +55,7 @@ class TunerOptions:
   check_every: int = 8
   drift: float = 0.15
   min_gain: float = 0.02
-  explore: tuple[int, ...] = (1, 2, 3)
+  explore: tuple[int, ...] = (0, 1, 2, 3)
   race_rounds: int = 3
 
 
