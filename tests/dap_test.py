@@ -326,8 +326,10 @@ class TunerTest:
     ran = race(tuner, {start: 0.09, deeper: 0.2})
     assert set(ran) == {start, deeper}
     assert tuner.schedule == start and tuner.version == 0
-    assert tuner.converged and tuner.history[-1].what == "raced"
-    assert tuner.replans == 1
+    # It settles after measuring the kept plan on its own: the baseline
+    # that drift is judged against.
+    assert [e.what for e in tuner.history[-2:]] == ["raced", "settled"]
+    assert tuner.converged and tuner.replans == 1
 
   def test_race_interleaves_and_keeps_the_fastest_median(self):
     # Compute-heavy layers: the model sees no gain in prefetching deeper.
@@ -344,17 +346,19 @@ class TunerTest:
     assert tuner.history[-1].what == "race" and tuner.replans == 2
     distance = lambda s: max(dict(s.prefetch).values())
     # 2 ahead is fastest but for one slow step; the median sees past it.
-    slow_once = iter([0.25, 0.25, 0.60, 0.25])
+    slow_once = iter([0.25, 0.25, 0.60] + [0.25] * 8)
 
     def step_time(schedule):
       k = distance(schedule)
       return next(slow_once) if k == 2 else {1: 0.30, 3: 0.28}[k]
     ran = race(tuner, step_time)
     # A warm-up round, then `race_rounds` rounds, each in a new order.
-    rounds = [[distance(s) for s in ran[i:i + 3]] for i in range(0, 12, 3)]
-    assert len(ran) == 3 * (1 + options.race_rounds)
+    raced = 3 * (1 + options.race_rounds)
+    rounds = [[distance(s) for s in ran[i:i + 3]] for i in range(0, raced, 3)]
     assert all(sorted(r) == [1, 2, 3] for r in rounds)
     assert len({tuple(r) for r in rounds[1:]}) == 3
+    # Then the kept plan runs on its own for a baseline.
+    assert [distance(s) for s in ran[raced:]] == [2] * options.measure_steps
     assert distance(tuner.schedule) == 2 and tuner.converged
     assert tuner.version == 1 and tuner.replans == 2
     # What the model does not see is learned from the race: its
@@ -368,10 +372,11 @@ class TunerTest:
     tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
         warmup_steps=0, measure_steps=3, explore=(), check_every=1))
     tuner.resolve(segments, LINK)
-    for _ in range(3):
+    while not tuner.converged:
       tuner.step_done(profile_of(0.1))
-    assert tuner.converged
     events = len(tuner.history)
+    # A faster step is no drift (it lowers the baseline: noise only adds).
+    assert not tuner.step_done(profile_of(0.09))
     # A check measures 2x slower, the two steps after it do not.
     for step_s in (0.2, 0.1, 0.1):
       assert not tuner.step_done(profile_of(step_s))
@@ -400,6 +405,27 @@ class TunerTest:
     assert peaks[-1] == 0 and need() <= tuner.budget
     assert all(b <= a // 2 for a, b in zip(peaks, peaks[1:]))
     assert len(peaks) <= 2 + int(np.log2(peaks[0] / (2 * MiB)))
+
+  def test_link_drift_counts_by_its_effect_on_the_step(self):
+    # Small fetches behind long compute: the plan does not care how fast
+    # the link is, until it is slow enough to stall the step.
+    segments = [seg(n, MiB, 0.05) for n in "abcd"]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1), name="dap")
+    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=3, explore=(), check_every=1))
+    tuner.resolve(segments, LINK)
+    at = lambda gbps: profile_lib.StepProfile(
+        step_s=0.2, layers=(), segment_compute_s=None, bytes_by_tier={},
+        bandwidth_by_tier={"cxl": gbps * 1e9})
+    while not tuner.converged:
+      tuner.step_done(at(1.0))
+    events = len(tuner.history)
+    for _ in range(6):  # a third of the bandwidth: still hidden
+      assert not tuner.step_done(at(0.33))
+    assert tuner.converged and len(tuner.history) == events
+    for _ in range(3):  # 10 MB/s: 0.1 s a fetch, the step stalls
+      tuner.step_done(at(0.01))
+    assert tuner.history[events].what == "drift"
 
   def test_candidate_over_budget_leaves_the_race(self):
     segments = [seg(n, MiB, 0.05) for n in "abcd"]

@@ -602,7 +602,7 @@ class OffloadedStep:
     measure = self.tuner is not None and self.tuner.wants_measurement()
     if measure:
       jax.block_until_ready(self._last_results)
-      self._collect()  # waits of earlier steps belong to them
+      self._collect(keep=False)  # waits of earlier steps belong to them
       started = _jcxl.now_ns()
     self._last_results = compiled(*args)
     if measure:
@@ -649,21 +649,28 @@ class OffloadedStep:
     compiled = entry[0] if entry else self.lower(*args).compile()
     return compiled.memory_analysis()
 
-  def _collect(self) -> list[profile_lib.Wait]:
-    """Drains the logged waits; adds this step's to the report totals."""
-    waits = profile_lib.waits_from_raw(_jcxl.drain_stream_waits())
-    for w in waits:
-      name = self._groups.get(w.record.handle)
+  def _collect(self, keep: bool = True) -> list[profile_lib.Wait]:
+    """Drains the logged waits and adds them to the report totals; returns
+    them (`keep`) for a step's profile.
+
+    Totals are added from the raw records: the steps between two measured
+    ones leave thousands, and a record object each would make measuring
+    cost a few percent of the step.
+    """
+    raw = _jcxl.drain_stream_waits()
+    groups, first_device = self._groups, self._first_device
+    for (_, handle, _, _, direction, nbytes, *_), _, wait_ns in raw:
+      name = groups.get(handle)
       if name is None:
         continue
       entry = self._moved[name]
-      entry[1 if w.record.to_pool else 0] += w.record.nbytes
-      if w.record.handle in self._first_device:
+      entry[1 if direction == 0 else 0] += nbytes  # 0: into the pool
+      if handle in first_device:
         # Each device waits for its own shard at the same time: the step
         # waited what one device did, not the sum.
-        entry[2] += w.wait_ns * 1e-9
+        entry[2] += wait_ns * 1e-9
       entry[3] += 1
-    return waits
+    return profile_lib.waits_from_raw(raw) if keep else []
 
   def report(self) -> list[LayerReport]:
     """Per layer: bytes moved and time the step waited, since last call.
@@ -671,7 +678,7 @@ class OffloadedStep:
     Waits for the steps already dispatched to finish first.
     """
     jax.block_until_ready(self._last_results)
-    self._collect()
+    self._collect(keep=False)
     moved, self._moved = self._moved, collections.defaultdict(
         lambda: [0, 0, 0.0, 0])
     return [LayerReport(name, *moved[name]) for name in

@@ -39,8 +39,11 @@ class TunerOptions:
       are used: the first step after a recompile runs slow).
     max_replans: plan changes (recompiles) allowed over the whole run.
     check_every: once converged, measure one step in this many.
-    drift: relative change of a measured step time or link bandwidth,
-      against what the plan was made for, that triggers a re-plan.
+    drift: how much slower than when the plan settled (or the fastest
+      check since) measured steps must run to trigger a re-plan.
+    link_drift: relative change of the plan's modelled step time when the
+      links' measured bandwidths replace those it was made for, that
+      triggers a re-plan.
     min_gain: fraction of the step a re-plan must be predicted to save
       for the tuner to switch plans (and recompile).
     explore: uniform prefetch distances raced against the model's plan
@@ -54,6 +57,7 @@ class TunerOptions:
   max_replans: int = 6
   check_every: int = 8
   drift: float = 0.15
+  link_drift: float = 0.05
   min_gain: float = 0.02
   explore: tuple[int, ...] = (0, 1, 2, 3)
   race_rounds: int = 3
@@ -63,7 +67,7 @@ class TunerOptions:
 class TunerEvent:
   """One thing the tuner did, for its history."""
   step: int
-  what: str  # plan, replan, holds, race, raced, drift, frozen, budget
+  what: str  # plan replan holds race raced settled drift frozen budget
   predicted_s: float | None
   measured_s: float | None
   detail: str = ""
@@ -89,7 +93,7 @@ class Tuner:
     self._planned_for: dict[str, float] = {}  # tier -> bandwidth used
     self._window: list[StepProfile] = []
     self._state = "warmup"
-    self._baseline_s: float | None = None  # measured when it converged
+    self._baseline_s: float | None = None  # measured once it settled
     self._steps = 0
     self._since_check = 0
     # Per plan tried: its compile-cache version and the step time measured
@@ -97,8 +101,8 @@ class Tuner:
     # is dropped for the best one measured (without a recompile).
     self._versions: dict[LayerSchedule, int] = {}
     self._measured: dict[LayerSchedule, float] = {}
-    # The race in progress: each candidate's measured step times.
-    self._race: dict[LayerSchedule, list[float]] = {}
+    # The race in progress: each candidate's measured steps.
+    self._race: dict[LayerSchedule, list[StepProfile]] = {}
     self._race_queue: list[LayerSchedule] = []
     self._race_base: LayerSchedule | None = None  # the model's plan
     self._race_round = 0
@@ -218,6 +222,9 @@ class Tuner:
     if self._state == "steady":
       self._since_check = 0
       if not self._drifted([profile]):
+        # The machine's noise only ever adds time: the fastest step seen
+        # is the truest baseline.
+        self._baseline_s = min(self._baseline_s, profile.step_s)
         return False
       # One slow step is often just the machine: measure a few more
       # before believing it (no re-plan, no recompile on noise).
@@ -229,13 +236,22 @@ class Tuner:
     if len(self._window) < self.options.measure_steps:
       return False
     measured = statistics.median(p.step_s for p in self._window)
+    if self._state == "baseline":
+      # What drift is judged against: the kept plan, run on its own (a
+      # race's steps, each after another plan's, run slower).
+      self._baseline_s = measured
+      self._planned_for.update(_median_bandwidths(self._window))
+      self._state, self._window = "steady", []
+      self._event("settled", measured, "baseline for drift: "
+                  f"{measured * 1e3:.2f} ms a step")
+      return False
     if self._state == "confirm":
       if not self._drifted(self._window):
         self._state, self._window = "steady", []
         return False
       self._event("drift", measured,
                   f"measured {measured * 1e3:.2f} ms against "
-                  f"{_ms(self._baseline_s)} when the plan converged; "
+                  f"{_ms(self._baseline_s)} when the plan settled; "
                   "links " + ", ".join(
                       f"{t} {b / 1e9:.2f} GB/s" for t, b in
                       _median_bandwidths(self._window).items()))
@@ -278,7 +294,7 @@ class Tuner:
         self.replans += 1
       candidates.append(candidate)
     if len(candidates) == 1:
-      self._settle(base, measured_s)
+      self._settle(base)
       return False
     self._race = {c: [] for c in candidates}
     self._race_base = base
@@ -292,7 +308,7 @@ class Tuner:
 
   def _race_step(self, profile: StepProfile) -> bool:
     if self._race_round > 0:  # round 0 warms each compiled plan up
-      self._race[self.schedule].append(profile.step_s)
+      self._race[self.schedule].append(profile)
     if not self._race_queue:
       self._race_round += 1
       if self._race_round > self.options.race_rounds:
@@ -305,7 +321,8 @@ class Tuner:
     return self.schedule != before
 
   def _end_race(self) -> bool:
-    medians = {c: statistics.median(t) for c, t in self._race.items() if t}
+    medians = {c: statistics.median(p.step_s for p in profiles)
+               for c, profiles in self._race.items() if profiles}
     self._measured.update(medians)
     best = min(medians, key=medians.get)
     base = self._race_base
@@ -323,14 +340,15 @@ class Tuner:
     self._overhead_s = max(
         0.0, medians[best] - self.predict(dict(best.prefetch)).step_s)
     before = self.schedule
-    self._settle(best, medians[best])
+    self._settle(best)
     return self.schedule != before
 
-  def _settle(self, schedule: LayerSchedule, measured_s: float) -> None:
+  def _settle(self, schedule: LayerSchedule) -> None:
+    """Keeps `schedule`; its next steps are measured for a baseline."""
     self._switch(schedule)
     self._window = []
-    self._state = "steady"
-    self._baseline_s = measured_s
+    self._state = "baseline"
+    self._baseline_s = None
     self._since_check = 0
 
   def _switch(self, schedule: LayerSchedule) -> None:
@@ -339,17 +357,24 @@ class Tuner:
     self.prediction = self.predict(dict(schedule.prefetch))
 
   def _drifted(self, profiles: Sequence[StepProfile]) -> bool:
-    """Whether a link or the step time (medians over `profiles`) moved
-    from what the plan was made for (the step time against the one
-    measured when it converged)."""
+    """Whether a link (its effect on the step) moved from what the plan
+    was made for, or the step slowed from its baseline (medians over
+    `profiles`)."""
     tolerance = self.options.drift
-    for tier, bw in _median_bandwidths(profiles).items():
-      planned = self._planned_for.get(tier)
-      if planned and abs(bw - planned) > tolerance * planned:
+    # A link counts by what it does to this plan's step: the achieved
+    # bandwidth of small or well-hidden transfers swings widely with no
+    # effect on the step at all.
+    measured = {t: costmodel.Link(bw) for t, bw in
+                _median_bandwidths(profiles).items() if t in self._links}
+    if measured:
+      planned = {t: costmodel.Link(bw) for t, bw in self._planned_for.items()}
+      then = self._simulate({**self._links, **planned})
+      now = self._simulate({**self._links, **planned, **measured})
+      if abs(now - then) > self.options.link_drift * then:
         return True
     base = self._baseline_s
     step_s = statistics.median(p.step_s for p in profiles)
-    return bool(base) and abs(step_s - base) > tolerance * base
+    return bool(base) and step_s > (1 + tolerance) * base
 
   def _learn_and_replan(self, measured_s: float) -> bool:
     window = self._window
@@ -385,6 +410,11 @@ class Tuner:
     return self._with_overhead(costmodel.simulate(
         self._segments, prefetch, self._links,
         dict(self.schedule.chunk_bytes) if self.schedule else None))
+
+  def _simulate(self, links: Mapping[str, costmodel.Link]) -> float:
+    """The current plan's modelled step time on `links`."""
+    return costmodel.simulate(self._segments, dict(self.schedule.prefetch),
+                              links, dict(self.schedule.chunk_bytes)).step_s
 
   def _with_overhead(self, p: costmodel.Prediction) -> costmodel.Prediction:
     return dataclasses.replace(p, step_s=p.step_s + self._overhead_s)
