@@ -303,6 +303,19 @@ def race(tuner, step_time):
   return ran
 
 
+def settled_tuner(profile):
+  """A tuner settled on every layer (1 MiB, 50 ms of compute each) 1 ahead,
+  after steps measured as `profile`; it measures every step from then on."""
+  segments = [seg(n, MiB, 0.05) for n in "abcd"]
+  start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1), name="dap")
+  tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+      warmup_steps=0, measure_steps=3, explore=(), check_every=1))
+  tuner.resolve(segments, LINK)
+  while not tuner.converged:
+    tuner.step_done(profile)
+  return tuner
+
+
 def profile_of(step_s):
   return profile_lib.StepProfile(step_s=step_s, layers=(),
                                  segment_compute_s=None, bytes_by_tier={},
@@ -367,13 +380,7 @@ class TunerTest:
         pytest.approx(0.25))
 
   def test_one_slow_step_is_not_a_drift(self):
-    segments = [seg(n, MiB, 0.05) for n in "ab"]
-    start = schedule_lib.LayerSchedule.of(dict.fromkeys("ab", 1), name="dap")
-    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
-        warmup_steps=0, measure_steps=3, explore=(), check_every=1))
-    tuner.resolve(segments, LINK)
-    while not tuner.converged:
-      tuner.step_done(profile_of(0.1))
+    tuner = settled_tuner(profile_of(0.1))
     events = len(tuner.history)
     # A faster step is no drift (it lowers the baseline: noise only adds).
     assert not tuner.step_done(profile_of(0.09))
@@ -388,8 +395,8 @@ class TunerTest:
 
   def test_budget_replans_end_when_need_is_not_additive(self):
     # The device needs 2 MiB more with any prefetch at all (XLA's peak is
-    # elsewhere), whatever the plan counts: re-plans must still end.
-    # A long compute first, that deep prefetches hide the layers behind.
+    # elsewhere), whatever the plan counts: re-plans must still end. A long
+    # compute comes first, for deep prefetches to hide the layers behind.
     segments = [seg("start", 0, 0.02)] + [seg(n, 2 * MiB, 0.001)
                                           for n in "abcdefgh"]
     tuner = tuner_lib.Tuner(None, 25 * MiB + MiB // 2)
@@ -409,16 +416,10 @@ class TunerTest:
   def test_link_drift_counts_by_its_effect_on_the_step(self):
     # Small fetches behind long compute: the plan does not care how fast
     # the link is, until it is slow enough to stall the step.
-    segments = [seg(n, MiB, 0.05) for n in "abcd"]
-    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1), name="dap")
-    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
-        warmup_steps=0, measure_steps=3, explore=(), check_every=1))
-    tuner.resolve(segments, LINK)
     at = lambda gbps: profile_lib.StepProfile(
         step_s=0.2, layers=(), segment_compute_s=None, bytes_by_tier={},
         bandwidth_by_tier={"cxl": gbps * 1e9})
-    while not tuner.converged:
-      tuner.step_done(at(1.0))
+    tuner = settled_tuner(at(1.0))
     events = len(tuner.history)
     for _ in range(6):  # a third of the bandwidth: still hidden
       assert not tuner.step_done(at(0.33))
