@@ -124,10 +124,12 @@ class Config:
   run_dir: str
 
   def validate(self) -> None:
-    for m in self.models + self.tight_models:
-      if m not in MODELS:
-        raise ValueError(f"--models: unknown model {m!r}; known: "
-                         f"{sorted(MODELS)}")
+    for flag, models in (("--models", self.models),
+                         ("--tight_models", self.tight_models)):
+      for m in models:
+        if m not in MODELS:
+          raise ValueError(f"{flag}: unknown model {m!r}; known: "
+                           f"{sorted(MODELS)}")
     for s in self.schedules:
       jcxl.cxl_offload(lambda: None, schedule=s)  # raises on a bad one
     if "dap" not in self.schedules:

@@ -56,7 +56,9 @@ class DapExperimentTest:
     assert results["slowdown"]["slow_gbps"] == pytest.approx(2.0)
 
   @pytest.mark.parametrize("args, message", [
-      (["--models=nope"], "unknown model"),
+      (["--models=nope"], "--models: unknown model"),
+      (["--tight_models=nope"], "--tight_models: unknown model"),
+      (["--tight_headroom=lots"], "--tight_headroom"),
       (["--schedules=fixed:x,dap"], "schedule must be"),
       (["--schedules=sync"], "must include dap"),
       (["--slowdown=0.5"], "--slowdown"),
