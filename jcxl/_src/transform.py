@@ -611,10 +611,12 @@ class OffloadedStep:
       self.last_profile = profile_lib.profile_step(
           self._collect(), self._first_device, window, self._segments)
     if self.tuner:
+      version = self.tuner.version
       self.tuner.step_done(self.last_profile if measure else None)
       # `plan` is the one the next step runs, when it is compiled already
       # (a race moving on, or settling on the plan it keeps).
-      entry = self._compiled.get(self._cache_key(args))
+      entry = (self._compiled.get(self._cache_key(args))
+               if self.tuner.version != version else None)
       if entry is not None:
         self.plan = entry[3]
     results = iter(self._last_results)

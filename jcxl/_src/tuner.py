@@ -181,12 +181,13 @@ class Tuner:
     """
     peak = costmodel.peak_prefetch_bytes(self._segments,
                                          dict(self.schedule.prefetch))
+    over = self.budget is not None and need_bytes > self.budget
+    if over:
+      allowed = min(self.budget - need_bytes + peak, peak // 2)
+      self._base_floor = max(self._base_floor, self.budget - allowed)
     self._base_bytes = max(need_bytes - peak, self._base_floor)
-    if self.budget is None or need_bytes <= self.budget:
+    if not over:
       return False
-    allowed = min(self.budget - need_bytes + peak, peak // 2)
-    self._base_floor = max(self._base_floor, self.budget - allowed)
-    self._base_bytes = max(self._base_bytes, self._base_floor)
     before = self.schedule
     if self._race:  # a raced candidate over the budget leaves the race
       del self._race[before]
@@ -279,11 +280,11 @@ class Tuner:
       fastest = min(self._measured, key=self._measured.get)
       if fastest != base:
         candidates.append(fastest)
+    budget = self.prefetch_budget
     for k in self.options.explore:
       candidate = LayerSchedule.of(
           {name: k for name, _ in base.prefetch}, dict(base.chunk_bytes),
           name="dap")
-      budget = self.prefetch_budget
       if candidate in candidates or (
           budget is not None and costmodel.peak_prefetch_bytes(
               self._segments, dict(candidate.prefetch)) > budget):
@@ -336,9 +337,7 @@ class Tuner:
     # The race's medians (interleaved, compiled steps warmed up) say more
     # than the window measured right after a recompile: what the model
     # does not see is learned again from the kept plan's.
-    self._overhead_s = 0.0
-    self._overhead_s = max(
-        0.0, medians[best] - self.predict(dict(best.prefetch)).step_s)
+    self._learn_overhead(best, medians[best])
     before = self.schedule
     self._settle(best)
     return self.schedule != before
@@ -391,9 +390,7 @@ class Tuner:
               if tier in p.bandwidth_by_tier]
       if seen:
         self._links[tier] = costmodel.Link(statistics.median(seen), 0.0)
-    self._overhead_s = 0.0
-    modelled = self.predict(dict(self.schedule.prefetch)).step_s
-    self._overhead_s = max(0.0, measured_s - modelled)
+    self._learn_overhead(self.schedule, measured_s)
     return self._replan("replan", measured_s)
 
   def _event(self, what: str, measured_s: float | None, detail: str) -> None:
@@ -410,6 +407,14 @@ class Tuner:
     return self._with_overhead(costmodel.simulate(
         self._segments, prefetch, self._links,
         dict(self.schedule.chunk_bytes) if self.schedule else None))
+
+  def _learn_overhead(self, schedule: LayerSchedule,
+                      measured_s: float) -> None:
+    """Learns the step time the model does not see, from `schedule`'s
+    measured step."""
+    self._overhead_s = 0.0
+    modelled = self.predict(dict(schedule.prefetch)).step_s
+    self._overhead_s = max(0.0, measured_s - modelled)
 
   def _simulate(self, links: Mapping[str, costmodel.Link]) -> float:
     """The current plan's modelled step time on `links`."""
