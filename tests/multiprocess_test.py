@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -208,11 +209,20 @@ class FailureTest:
           f"{took:.1f} s later (heartbeat timeout {HEARTBEAT_S} s)")
     assert code != 0, text[-3000:]
     assert took < HEARTBEAT_S + 30, (took, text[-3000:])
-    # JAX's coordination service names what happened (a task that stopped
-    # sending heartbeats, or the lost leader).
-    assert "Terminating process because the JAX distributed service" in text
-    assert ("stopped sending heartbeats" in text if victim == 1
-            else "leader task was preempted/died" in text), text[-3000:]
+    # Either JAX's coordination service names what happened (a task that
+    # stopped sending heartbeats, or the lost leader), or, when the survivor
+    # was inside a collective, the collective's lost connection fails first
+    # and fail_together names it.
+    by_service = ("Terminating process because the JAX distributed service"
+                  in text and
+                  ("stopped sending heartbeats" in text if victim == 1
+                   else "leader task was preempted/died" in text))
+    failed = re.search(rf"jcxl: process {1 - victim} of 2 failed \((.*?)\); "
+                       "its peers stop too", text, re.DOTALL)
+    lost_peer = ("Connection reset by peer", "Connection closed by peer",
+                 "Broken pipe")
+    by_collective = failed and any(p in failed.group(1) for p in lost_peer)
+    assert by_service or by_collective, text[-3000:]
 
   def test_failed_process_stops_the_other_at_once(self, tmp_path):
     run_dir = str(tmp_path)
