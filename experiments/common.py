@@ -132,6 +132,41 @@ def rotated(items: Sequence[Any], round_index: int) -> list[Any]:
   return list(items[shift:]) + list(items[:shift])
 
 
+def worst_paired_ratio(times: Sequence[float],
+                       others: dict[str, Sequence[float]],
+                       confidence: float = 0.9, resamples: int = 2000,
+                       seed: int = 0) -> dict[str, Any]:
+  """How `times` compares with the best of `others`, timed in the same
+  interleaved rounds (entry r of every list from round r).
+
+  Each round's ratio times[r] / other[r] cancels the load the machine had
+  in that round; per other schedule the median of those ratios is taken,
+  and the largest of them (the other that did best against `times`) is
+  returned with a bootstrap interval over rounds. Picking the best of
+  several noisy medians favours the others; pairing and the interval say
+  how much of a gap is noise.
+
+  Returns:
+    {"ratio", "low", "high", "against"}: the ratio, its `confidence`
+    interval, and which other it is against.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  names = list(others)
+  if not names:
+    raise ValueError("worst_paired_ratio needs at least one other schedule")
+  t = np.asarray(times, dtype=float)
+  ratios = np.stack([t / np.asarray(others[n], dtype=float) for n in names])
+  medians = np.median(ratios, axis=1)
+  rounds = np.random.default_rng(seed).integers(
+      0, t.size, size=(resamples, t.size))
+  worst = np.median(ratios[:, rounds], axis=2).max(axis=0)
+  tail = (1 - confidence) / 2
+  return {"ratio": float(medians.max()),
+          "low": float(np.quantile(worst, tail)),
+          "high": float(np.quantile(worst, 1 - tail)),
+          "against": names[int(medians.argmax())]}
+
+
 def mem_available() -> int:
   """This machine's MemAvailable (bytes), for sizes that adapt to it.
 

@@ -88,8 +88,9 @@ _LATENCY_US = flags.DEFINE_float(
     flag_values=FLAGS)
 _SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "schedules",
                                flag_values=FLAGS)
-_STEPS = flags.DEFINE_integer("steps", 8, "timed steps per run",
-                              flag_values=FLAGS)
+_STEPS = flags.DEFINE_integer(
+    "steps", 24, "timed rounds per case (one step of each schedule a round)",
+    flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
     "tune_steps", 40, "most untimed steps DAP may tune for",
     flag_values=FLAGS)
@@ -262,6 +263,7 @@ def run_case(case: Case, bandwidth: float, budget: int,
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
                        budget_mib=budget / 2**20, schedule=schedule,
                        step_ms=_ms(median), predicted_ms=_ms(predicted),
+                       round_ms=[t * 1e3 for t in times.get(schedule, [])],
                        offline_predicted_ms=_ms(offline),
                        device_need=need, within_budget=need <= budget,
                        tune_steps=tuned, compiles=step.compiles))
@@ -309,15 +311,24 @@ def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
       if "drift" in events and step.tuner.converged:
         replanned_after = n
         break
-    after, state = _timed(step, state, case.batch, config.steps)
-  with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=slow) as pool:
-    fresh_step, state = _tuned_dap(case, pool, config)
-    fresh, _ = _timed(fresh_step, state, case.batch, config.steps)
+    with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=slow) as fresh_pool:
+      fresh_step, fresh_state = _tuned_dap(case, fresh_pool, config)
+      runs = {"after": [step, state], "fresh": [fresh_step, fresh_state]}
+      times = {name: [] for name in runs}
+      for n in range(config.steps):  # interleaved, as run_case times
+        for name in exp_common.rotated(list(runs), n):
+          seconds, runs[name][1] = _timed(*runs[name], case.batch, 1)
+          times[name].append(seconds)
+  after, fresh = (statistics.median(times[n]) for n in ("after", "fresh"))
+  paired = exp_common.worst_paired_ratio(times["after"],
+                                         {"fresh": times["fresh"]})
   return dict(model=case.name, fast_gbps=bandwidth / 1e9,
               slow_gbps=bandwidth / config.slowdown / 1e9,
               before_ms=before * 1e3, after_ms=after * 1e3,
               fresh_ms=fresh * 1e3, replanned_after_steps=replanned_after,
-              after_over_fresh=after / fresh)
+              after_over_fresh=paired["ratio"],
+              after_over_fresh_low=paired["low"],
+              after_over_fresh_high=paired["high"])
 
 
 def _case_name(model: str, bandwidth_gbps: float, budget_mib: float,
@@ -345,6 +356,9 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
              or r["schedule"] == "sync"]
     dap = next(r for r in group if r["schedule"] == "dap")
     best = min(fixed, key=lambda r: r["step_ms"]) if fixed else None
+    paired = exp_common.worst_paired_ratio(
+        dap["round_ms"], {r["schedule"]: r["round_ms"] for r in fixed}
+    ) if fixed else None
     plain = next((r for r in ran if r["schedule"] == UNMEASURED), None)
     stall = stalls.get(name, {})
     out.append(dict(
@@ -353,8 +367,10 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
         best_fixed_ms=best["step_ms"] if best else None,
         dap_over_best_fixed=(dap["step_ms"] / best["step_ms"]
                              if best else None),
-        dap_beats_every_fixed=bool(best) and all(
-            dap["step_ms"] < r["step_ms"] for r in fixed),
+        # Round by round against the fixed distance that did best against
+        # it, with a 90% interval: what the 3% target is judged on.
+        dap_paired=paired,
+        dap_beats_every_fixed=bool(paired) and paired["ratio"] < 1,
         fixed_over_budget=[r["schedule"] for r in group
                            if r["step_ms"] is None],
         dap_within_budget=dap["within_budget"],
@@ -391,17 +407,23 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
            "over budget, not run | - | - | -")
         + f" | {r['device_need'] / 2**20:.1f} | {r['within_budget']} |")
   out += ["", "DAP against the best fixed prefetch distance (sync = 0) "
-          "within the budget, per case:", "",
-          "| case | dap ms | best fixed | ms | dap / best fixed | dap faster "
-          "than every fixed | fixed over budget | dap predicted / measured "
+          "within the budget, per case. Medians: each schedule's median "
+          "step, DAP's over the lowest. Paired: per fixed distance the "
+          "median over rounds of DAP's step / its step in the same round, "
+          "the largest of them, with a 90% bootstrap interval over rounds.",
+          "",
+          "| case | dap ms | best fixed | ms | dap / best fixed, medians | "
+          "dap / best fixed, paired [90%] | dap faster than every fixed "
+          "(paired) | fixed over budget | dap predicted / measured "
           "| offline | dap / its plan unmeasured | stall before -> after "
-          "tuning |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "tuning |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for c in summary:
     stall = (f"{c['stall_before']:.1%} -> {c['stall_after']:.1%}"
              if c["stall_before"] is not None else "-")
     out.append(
         f"| {c['case']} | {c['dap_ms']:.2f} | {c['best_fixed']} | "
         f"{c['best_fixed_ms']:.2f} | {c['dap_over_best_fixed']:.3f} | "
+        f"{_paired(c['dap_paired'])} | "
         f"{'yes' if c['dap_beats_every_fixed'] else 'no'} | "
         f"{', '.join(c['fixed_over_budget']) or '-'} | "
         f"{c['dap_predicted_over_measured']:.3f} | "
@@ -414,8 +436,17 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
             f"after {slowdown['replanned_after_steps']} steps; step "
             f"{slowdown['before_ms']:.2f} -> {slowdown['after_ms']:.2f} ms, "
             f"DAP tuned from scratch on the slow link {slowdown['fresh_ms']:.2f}"
-            f" ms (ratio {slowdown['after_over_fresh']:.3f})."]
+            f" ms (paired ratio {slowdown['after_over_fresh']:.3f}, 90% "
+            f"[{slowdown['after_over_fresh_low']:.3f}, "
+            f"{slowdown['after_over_fresh_high']:.3f}])."]
   return "\n".join(out) + "\n"
+
+
+def _paired(paired: dict | None) -> str:
+  if not paired:
+    return "-"
+  return (f"{paired['ratio']:.3f} [{paired['low']:.3f}, {paired['high']:.3f}]"
+          f" vs {paired['against']}")
 
 
 def _plots(rows: list[dict], stalls: dict, title: str,
@@ -489,7 +520,8 @@ def run(config: Config) -> dict:
             newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({**r, "round_ms": " ".join(
+        f"{t:.2f}" for t in r["round_ms"])} for r in rows)
   summary = summarize(rows, stalls, config)
   text = f"{title}\n\n" + _markdown(rows, summary, labels, slowdown)
   with open(os.path.join(config.run_dir, "results.md"), "w",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 
 from absl import app
+import numpy as np
 import pytest
 
+from experiments import common as exp_common
 from experiments import dap
 
 
@@ -22,7 +24,7 @@ class DapExperimentTest:
                                                      tmp_path):
     out = tmp_path / "run"
     results = run_program("--models=wide_narrow", "--bandwidths=4GB/s",
-                          "--schedules=sync,fixed:1,dap", "--steps=1",
+                          "--schedules=sync,fixed:1,dap", "--steps=2",
                           "--tune_steps=8", "--slowdown=2",
                           "--tight_models=wide_narrow",
                           "--tight_headroom=1MiB",
@@ -34,6 +36,7 @@ class DapExperimentTest:
     assert all(float(r["step_ms"]) > 0 and float(r["predicted_ms"]) > 0
                and float(r["offline_predicted_ms"]) > 0 for r in loose)
     assert all(r["within_budget"] == "True" for r in loose)
+    assert all(len(r["round_ms"].split()) == 2 for r in loose)
     # The tight budget: sync's need plus 1 MiB, less than one of the 2 MiB
     # wide layers prefetched ahead. fixed:1 is over it and not run; DAP
     # (and its plan) stay within it.
@@ -41,12 +44,20 @@ class DapExperimentTest:
     budget = float(tight["sync"]["budget_mib"]) * 2**20
     assert float(tight["sync"]["device_need"]) == budget - 2**20
     assert tight["fixed:1"]["step_ms"] == ""
+    assert tight["fixed:1"]["round_ms"] == ""
     assert tight["fixed:1"]["within_budget"] == "False"
     assert float(tight["fixed:1"]["device_need"]) > budget
     for name in ("dap", dap.UNMEASURED):
       assert float(tight[name]["step_ms"]) > 0
       assert float(tight[name]["device_need"]) <= budget
     summary = {c["case"]: c for c in results["summary"]}
+    paired = summary["wide_narrow @ 4 GB/s"]["dap_paired"]
+    rounds = {r["schedule"]: [float(t) for t in r["round_ms"].split()]
+              for r in loose}
+    assert paired["ratio"] == pytest.approx(max(
+        np.median(np.array(rounds["dap"]) / rounds[name])
+        for name in ("sync", "fixed:1")), rel=1e-3)
+    assert paired["low"] <= paired["ratio"] <= paired["high"]
     assert summary[f"wide_narrow @ 4 GB/s, budget {budget / 2**20:.1f} MiB"][
         "fixed_over_budget"] == ["fixed:1"]
     for name in ("results.md", "step_time.png", "memory.png", "stall.png"):
@@ -70,3 +81,27 @@ class DapExperimentTest:
   def test_bad_bandwidth_flag(self, run_program):
     with pytest.raises(app.UsageError, match="--bandwidths"):
       run_program("--bandwidths=fast")
+
+
+class WorstPairedRatioTest:
+
+  def test_round_load_cancels_and_the_best_other_is_named(self):
+    load = np.array([1.0, 1.5, 1.0, 2.0, 1.0, 1.2])  # a changing machine
+    got = exp_common.worst_paired_ratio(
+        100 * load, {"slow": 110 * load, "fast": 95 * load})
+    assert got["against"] == "fast"
+    assert got["ratio"] == pytest.approx(100 / 95)
+    # Every round says the same: no doubt left.
+    assert got["low"] == pytest.approx(got["ratio"])
+    assert got["high"] == pytest.approx(got["ratio"])
+
+  def test_noise_widens_the_interval(self):
+    rng = np.random.default_rng(0)
+    noisy = 100 * (1 + 0.1 * rng.standard_normal(16))
+    got = exp_common.worst_paired_ratio(noisy, {"other": np.full(16, 100.0)})
+    assert got["low"] < got["ratio"] < got["high"]
+    assert got["high"] - got["low"] > 0.02
+
+  def test_nothing_to_compare_with(self):
+    with pytest.raises(ValueError, match="at least one other"):
+      exp_common.worst_paired_ratio([1.0], {})
