@@ -92,7 +92,7 @@ _STEPS = flags.DEFINE_integer(
     "steps", 24, "timed rounds per case (one step of each schedule a round)",
     flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
-    "tune_steps", 40, "most untimed steps DAP may tune for",
+    "tune_steps", 70, "most untimed steps DAP may tune for",
     flag_values=FLAGS)
 _BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
                               flag_values=FLAGS)

@@ -262,7 +262,8 @@ class DapStepTest:
     p = jcxl.place(params, "cxl", pool=pool)
     s = jcxl.place(tx.init(params), "cxl", pool=pool)
     step = jcxl.cxl_offload(make_step(loss_fn, tx), schedule="dap")
-    step.tuner.options = tuner_lib.TunerOptions(check_every=2)
+    step.tuner.options = tuner_lib.TunerOptions(check_every=2,
+                                                confirm_every=2)
     for _ in range(60):  # warm up, measure, re-plan, measure, race
       p, s, _ = step(p, s, x)
       if step.tuner.converged:
@@ -274,7 +275,7 @@ class DapStepTest:
     fast = step.tuner.links["cxl"].bandwidth
     seen = len(step.tuner.history)
     pool.set_link("cxl", jcxl.LinkModel("10MB/s", 5e-6))
-    for _ in range(6):  # a check, then the measured steps of a re-plan
+    for _ in range(8):  # a check, 2 spaced ones confirming it
       p, s, _ = step(p, s, x)
     assert any(e.what == "drift" for e in step.tuner.history[seen:])
     assert step.tuner.links["cxl"].bandwidth < 0.5 * fast
@@ -303,17 +304,28 @@ def race(tuner, step_time):
   return ran
 
 
-def settled_tuner(profile):
+def settled_tuner(profile, confirm_every=1):
   """A tuner settled on every layer (1 MiB, 50 ms of compute each) 1 ahead,
   after steps measured as `profile`; it measures every step from then on."""
   segments = [seg(n, MiB, 0.05) for n in "abcd"]
   start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1), name="dap")
   tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
-      warmup_steps=0, measure_steps=3, explore=(), check_every=1))
+      warmup_steps=0, measure_steps=3, explore=(), check_every=1,
+      confirm_every=confirm_every))
   tuner.resolve(segments, LINK)
   while not tuner.converged:
     tuner.step_done(profile)
   return tuner
+
+
+def run_steps(tuner, step_times):
+  """Runs steps of the given times, measuring those the tuner asks for;
+  returns the events it logged."""
+  events = len(tuner.history)
+  for step_s in step_times:
+    tuner.step_done(profile_of(step_s) if tuner.wants_measurement()
+                    else None)
+  return [e.what for e in tuner.history[events:]]
 
 
 def profile_of(step_s):
@@ -378,6 +390,38 @@ class TunerTest:
     # prediction for the kept plan is that plan's median.
     assert tuner.predict(dict(tuner.schedule.prefetch)).step_s == (
         pytest.approx(0.25))
+
+  def test_close_candidates_race_on_and_the_others_leave(self):
+    segments = [seg(n, MiB, 0.05) for n in "abcd"]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1),
+                                          name="dap")
+    options = tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=1, explore=(1, 2, 3), race_rounds=3,
+        race_close=0.05, race_max_rounds=8)
+    tuner = tuner_lib.Tuner(start, None, options)
+    tuner.resolve(segments, LINK)
+    assert tuner.step_done(profile_of(0.30))
+    distance = lambda s: max(dict(s.prefetch).values())
+    # 3 ahead is truly faster (0.27) than 2 ahead (0.28) but is unlucky in
+    # the first measured rounds; 1 ahead is clearly slower.
+    times = {1: iter([0.40] * 20),
+             2: iter([0.28] * 20),
+             3: iter([0.27, 0.29, 0.29, 0.27] + [0.27] * 20)}
+    ran = race(tuner, lambda s: next(times[distance(s)]))
+    raced = [distance(s) for s in ran[:-options.measure_steps]]
+    # 1 ahead runs the warm-up round and 3 measured rounds, then leaves;
+    # the close two run all 8 measured rounds.
+    assert raced.count(1) == 1 + 3
+    assert raced.count(2) == raced.count(3) == 1 + 8
+    assert distance(tuner.schedule) == 3 and tuner.converged
+
+  def test_a_burst_of_slow_steps_is_not_a_drift(self):
+    # A check every step; once one looks off, one step in 4 confirms it.
+    tuner = settled_tuner(profile_of(0.1), confirm_every=4)
+    assert run_steps(tuner, [0.2, 0.2, 0.2] + [0.1] * 12) == []
+    assert tuner.converged
+    # The same slowdown, lasting: the spaced checks confirm it.
+    assert run_steps(tuner, [0.2] * 12)[0] == "drift"
 
   def test_one_slow_step_is_not_a_drift(self):
     tuner = settled_tuner(profile_of(0.1))

@@ -41,6 +41,9 @@ class TunerOptions:
     check_every: once converged, measure one step in this many.
     drift: how much slower than when the plan settled (or the fastest
       check since) measured steps must run to trigger a re-plan.
+    confirm_every: once a check looks off, measure one step in this many
+      to confirm it (a burst of load on a shared machine lasts a few
+      steps; a drift lasts).
     link_drift: relative change of the plan's modelled step time when the
       links' measured bandwidths replace those it was made for, that
       triggers a re-plan.
@@ -51,16 +54,23 @@ class TunerOptions:
       fastest is kept.
     race_rounds: measured rounds of a race (each candidate runs one step
       a round, after one round that warms them up).
+    race_close: after `race_rounds`, candidates whose median step is
+      within this fraction of the fastest's race on, the others leave;
+    race_max_rounds: until one is left or this many rounds were measured
+      (close candidates are told apart by more steps, not by luck).
   """
   warmup_steps: int = 1
   measure_steps: int = 3
   max_replans: int = 6
   check_every: int = 8
+  confirm_every: int = 4
   drift: float = 0.15
   link_drift: float = 0.05
   min_gain: float = 0.02
   explore: tuple[int, ...] = (0, 1, 2, 3)
   race_rounds: int = 3
+  race_close: float = 0.05
+  race_max_rounds: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +114,8 @@ class Tuner:
     # The race in progress: each candidate's measured steps.
     self._race: dict[LayerSchedule, list[StepProfile]] = {}
     self._race_queue: list[LayerSchedule] = []
+    # Candidates that fell behind: out of the next rounds, still reported.
+    self._race_out: dict[LayerSchedule, list[StepProfile]] = {}
     self._race_base: LayerSchedule | None = None  # the model's plan
     self._race_round = 0
     # Step time the model does not see (dispatch, host work), measured
@@ -206,9 +218,11 @@ class Tuner:
     """Whether the next step should be measured."""
     if self._state == "warmup":
       return self._steps >= self.options.warmup_steps
-    if self._state != "steady":
-      return True
-    return self._since_check + 1 >= self.options.check_every
+    if self._state == "steady":
+      return self._since_check + 1 >= self.options.check_every
+    if self._state == "confirm":
+      return self._since_check + 1 >= self.options.confirm_every
+    return True
 
   def step_done(self, profile: StepProfile | None) -> bool:
     """Takes the next step's measurement (None: not measured).
@@ -227,12 +241,14 @@ class Tuner:
         # is the truest baseline.
         self._baseline_s = min(self._baseline_s, profile.step_s)
         return False
-      # One slow step is often just the machine: measure a few more
-      # before believing it (no re-plan, no recompile on noise).
+      # One slow step is often just the machine: measure a few more,
+      # spaced out, before believing it (no re-plan, no recompile on
+      # noise).
       self._state, self._window = "confirm", [profile]
       return False
     if self._state == "race":
       return self._race_step(profile)
+    self._since_check = 0
     self._window.append(profile)
     if len(self._window) < self.options.measure_steps:
       return False
@@ -272,6 +288,9 @@ class Tuner:
   # turn, one step each per round, for `race_rounds` rounds after a round
   # that warms each compiled plan up. Interleaving puts the machine's
   # changing load on every candidate alike; each is judged by its median.
+  # Candidates within `race_close` of the fastest then race on (up to
+  # `race_max_rounds`): the closer two plans, the more steps it takes to
+  # tell them apart on a noisy machine.
 
   def _start_race(self, measured_s: float) -> bool:
     base = self.schedule
@@ -311,25 +330,47 @@ class Tuner:
     if self._race_round > 0:  # round 0 warms each compiled plan up
       self._race[self.schedule].append(profile)
     if not self._race_queue:
+      order = self._contenders()
       self._race_round += 1
-      if self._race_round > self.options.race_rounds:
+      alone = len(order) == 1 and self._race[order[0]]  # and measured
+      if alone or self._race_round > self._rounds_allowed():
         return self._end_race()
-      order = list(self._race)
       shift = self._race_round % len(order)
       self._race_queue = order[shift:] + order[:shift]
     before = self.schedule
     self._switch(self._race_queue.pop(0))
     return self.schedule != before
 
+  def _race_medians(self) -> dict[LayerSchedule, float]:
+    return {c: statistics.median(p.step_s for p in profiles)
+            for c, profiles in self._race.items() if profiles}
+
+  def _rounds_allowed(self) -> int:
+    return max(self.options.race_rounds, self.options.race_max_rounds)
+
+  def _contenders(self) -> list[LayerSchedule]:
+    """The candidates that run the next round: all of them for the first
+    `race_rounds`, then those within `race_close` of the fastest median."""
+    if self._race_round < max(1, self.options.race_rounds):
+      return list(self._race)
+    medians = self._race_medians()
+    fastest = min(medians.values())
+    close = [c for c in self._race
+             if medians[c] <= fastest * (1 + self.options.race_close)]
+    for c in [c for c in self._race if c not in close]:
+      self._race_out[c] = self._race.pop(c)
+    return close
+
   def _end_race(self) -> bool:
-    medians = {c: statistics.median(p.step_s for p in profiles)
-               for c, profiles in self._race.items() if profiles}
+    self._race.update(self._race_out)
+    self._race_out = {}
+    medians = self._race_medians()
     self._measured.update(medians)
     best = min(medians, key=medians.get)
     base = self._race_base
-    verdict = ("raced (median step): " + ", ".join(
-        f"{_describe(c, base)} {t * 1e3:.2f} ms" for c, t in medians.items())
-               + f"; keeping {_describe(best, base)}")
+    verdict = ("raced (median step; its compute and stall): " + ", ".join(
+        f"{_describe(c, base)} {t * 1e3:.2f} ms ({_split(self._race[c])})"
+        for c, t in medians.items()) + f"; keeping {_describe(best, base)}")
     self._event("raced", medians[best], verdict)
     self.reasons = tuple(r for r in self.reasons
                          if not r.startswith("raced")) + (verdict,)
@@ -435,6 +476,18 @@ def _median_bandwidths(profiles: Sequence[StepProfile]) -> dict[str, float]:
     for tier, bw in p.bandwidth_by_tier.items():
       seen.setdefault(tier, []).append(bw)
   return {tier: statistics.median(bws) for tier, bws in seen.items()}
+
+
+def _split(profiles: Sequence[StepProfile]) -> str:
+  """Median compute and stall of measured steps, for the history: on a
+  device that shares the host's cores with the copies (XLA:CPU), compute
+  slows while transfers overlap it."""
+  compute = [sum(p.segment_compute_s) for p in profiles
+             if p.segment_compute_s is not None]
+  stall = statistics.median(sum(l.stall_s for l in p.layers)
+                            for p in profiles)
+  return (f"{statistics.median(compute) * 1e3:.1f} + " if compute
+          else "") + f"{stall * 1e3:.1f} stalled"
 
 
 def _describe(schedule: LayerSchedule, base: LayerSchedule) -> str:
