@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -130,6 +131,16 @@ def rotated(items: Sequence[Any], round_index: int) -> list[Any]:
   position (the first step after the others' work, say) favours none."""
   shift = round_index % len(items) if items else 0
   return list(items[shift:]) + list(items[:shift])
+
+
+def shuffled(items: Sequence[Any], round_index: int) -> list[Any]:
+  """`items` in a random order of its own for each round (seeded by the
+  round, so runs repeat). Unlike `rotated`, whose cyclic order gives every
+  item the same predecessor each round, this varies what ran just before
+  each item (a step can pay for the one before it: caches, copies)."""
+  out = list(items)
+  random.Random(round_index).shuffle(out)
+  return out
 
 
 def worst_paired_ratio(times: Sequence[float],

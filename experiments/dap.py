@@ -246,7 +246,7 @@ def run_case(case: Case, bandwidth: float, budget: int,
         over[schedule] = runs.pop(schedule)
     times = {s: [] for s in runs}
     for n in range(config.steps):
-      for schedule in exp_common.rotated(list(runs), n):
+      for schedule in exp_common.shuffled(list(runs), n):
         run_ = runs[schedule]
         seconds, run_[1] = _timed(run_[0], run_[1], case.batch, 1)
         times[schedule].append(seconds)

@@ -105,3 +105,12 @@ class WorstPairedRatioTest:
   def test_nothing_to_compare_with(self):
     with pytest.raises(ValueError, match="at least one other"):
       exp_common.worst_paired_ratio([1.0], {})
+
+
+def test_shuffled_rounds_vary_what_runs_before_each():
+  items = ["dap", "sync", "fixed:1", "fixed:2", "fixed:3"]
+  rounds = [exp_common.shuffled(items, n) for n in range(8)]
+  assert all(sorted(r) == sorted(items) for r in rounds)
+  assert rounds == [exp_common.shuffled(items, n) for n in range(8)]
+  before_sync = {r[r.index("sync") - 1] for r in rounds if r[0] != "sync"}
+  assert len(before_sync) > 1

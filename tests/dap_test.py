@@ -300,7 +300,9 @@ def race(tuner, step_time):
   while not tuner.converged:
     assert tuner.wants_measurement()
     ran.append(tuner.schedule)
-    tuner.step_done(profile_of(time_of(tuner.schedule)))
+    got = time_of(tuner.schedule)  # a step time, or a whole profile
+    tuner.step_done(got if isinstance(got, profile_lib.StepProfile)
+                    else profile_of(got))
   return ran
 
 
@@ -390,6 +392,35 @@ class TunerTest:
     # prediction for the kept plan is that plan's median.
     assert tuner.predict(dict(tuner.schedule.prefetch)).step_s == (
         pytest.approx(0.25))
+
+  def test_kept_plan_teaches_the_model_how_it_computes(self):
+    # On a device that shares the host's cores with the copies, compute
+    # runs slower under a plan that overlaps transfers with it: the model
+    # learns each segment's compute from the plan the race kept.
+    segments = [seg("a", 0, 0.01), seg("b", 10 * MiB, 0.05),
+                seg("c", 10 * MiB, 0.05)]
+    start = schedule_lib.LayerSchedule.of({"b": 1, "c": 1}, name="dap")
+    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=1, explore=(0,), race_rounds=3))
+    tuner.resolve(segments, LINK)
+    distance = lambda s: max(dict(s.prefetch).values())
+
+    def measured(schedule):
+      # 1 ahead: 0.08 s of compute a layer; sync: 0.05 s, and waits.
+      compute = (0.01, 0.08, 0.08) if distance(schedule) else (
+          0.01, 0.05, 0.05)
+      return profile_lib.StepProfile(
+          step_s=0.18 if distance(schedule) else 0.13, layers=(),
+          segment_compute_s=compute, bytes_by_tier={},
+          bandwidth_by_tier={"cxl": 1e9})
+    tuner.step_done(measured(tuner.schedule))
+    assert tuner.history[-1].what == "race"
+    race(tuner, measured)
+    assert distance(tuner.schedule) == 0
+    # Sync on its own compute: 0.01 s, then each layer's 10 MiB at 1 GB/s
+    # and its 0.05 s (on 1 ahead's compute it would be 0.19 s).
+    assert tuner.predict(dict(tuner.schedule.prefetch)).step_s == (
+        pytest.approx(0.13, abs=0.002))
 
   def test_close_candidates_race_on_and_the_others_leave(self):
     segments = [seg(n, MiB, 0.05) for n in "abcd"]

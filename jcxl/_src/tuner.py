@@ -374,11 +374,13 @@ class Tuner:
     self._event("raced", medians[best], verdict)
     self.reasons = tuple(r for r in self.reasons
                          if not r.startswith("raced")) + (verdict,)
+    # The race's steps (interleaved, compiled steps warmed up) say more
+    # than the window measured right after a recompile, and the kept
+    # plan's own steps say how it computes: where the device shares the
+    # host's cores with the copies (XLA:CPU), compute runs slower under a
+    # plan that overlaps more transfers with it.
+    self._learn(self._race[best], best, medians[best])
     self._race = {}
-    # The race's medians (interleaved, compiled steps warmed up) say more
-    # than the window measured right after a recompile: what the model
-    # does not see is learned again from the kept plan's.
-    self._learn_overhead(best, medians[best])
     before = self.schedule
     self._settle(best)
     return self.schedule != before
@@ -417,7 +419,13 @@ class Tuner:
     return bool(base) and step_s > (1 + tolerance) * base
 
   def _learn_and_replan(self, measured_s: float) -> bool:
-    window = self._window
+    self._learn(self._window, self.schedule, measured_s)
+    return self._replan("replan", measured_s)
+
+  def _learn(self, window: Sequence[StepProfile], schedule: LayerSchedule,
+             measured_s: float) -> None:
+    """Learns each segment's compute, the links and what the model does
+    not see from `schedule`'s measured steps `window` (medians)."""
     matched = [p.segment_compute_s for p in window
                if p.segment_compute_s is not None]
     if matched:
@@ -431,8 +439,7 @@ class Tuner:
               if tier in p.bandwidth_by_tier]
       if seen:
         self._links[tier] = costmodel.Link(statistics.median(seen), 0.0)
-    self._learn_overhead(self.schedule, measured_s)
-    return self._replan("replan", measured_s)
+    self._learn_overhead(schedule, measured_s)
 
   def _event(self, what: str, measured_s: float | None, detail: str) -> None:
     event = TunerEvent(self._steps, what,
