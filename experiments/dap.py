@@ -26,7 +26,7 @@ Writes results.csv, results.md, step_time.png, memory.png and stall.png
 into --run_dir; the emulated link parameters are in every title.
 
   python -m experiments.dap --models=gpt2_bigvocab,wide_narrow,one_big \
-      --bandwidths=0.5GB/s,2GB/s,16GB/s --steps=8 --run_dir=runs/dap
+      --bandwidths=0.5GB/s,2GB/s,16GB/s --steps=24 --run_dir=runs/dap
 """
 
 from __future__ import annotations
