@@ -9,10 +9,11 @@ it against a few uniform prefetch distances within the budget (compiled
 once each, run in turn, one step each per round; the close ones for more
 rounds) and keeps whichever ran fastest: the model does not see everything
 (copies competing with compute for the host's cores, say), the device
-does; the model then learns from the kept plan's steps. Once settled, it measures one
-step every so often; when a link or the step time moves from what the plan
-was made for (a link slowed because another job shares it, say), and a
-few more measured steps, spaced out, confirm it, it re-plans and races again.
+does; the model then learns from the kept plan's steps. Once settled, it
+measures one step every so often; when a link or the step time moves from
+what the plan was made for (a link slowed because another job shares it,
+say), and a few more measured steps, spaced out, confirm it, it re-plans
+and races again.
 """
 
 from __future__ import annotations
