@@ -197,6 +197,19 @@ def _timed(step, state, batch, n) -> tuple[float, Any]:
   return statistics.median(times), state
 
 
+def _interleaved(runs: dict[str, list], batch, rounds: int,
+                 order) -> dict[str, list[float]]:
+  """Times `rounds` rounds of one step of each run ([step, state, ...],
+  its state updated in place), each round in `order(names, round)`, so
+  that a shared machine's changing load falls on all of them alike."""
+  times = {name: [] for name in runs}
+  for n in range(rounds):
+    for name in order(list(runs), n):
+      seconds, runs[name][1] = _timed(runs[name][0], runs[name][1], batch, 1)
+      times[name].append(seconds)
+  return times
+
+
 def _tune(step, state, batch, limit) -> tuple[int, Any, list]:
   """Runs untimed steps until DAP converges; returns the steps taken, the
   state, and the first measured step's profile and the last one of the
@@ -244,12 +257,7 @@ def run_case(case: Case, bandwidth: float, budget: int,
         *run_[1], _ = run_[0](*run_[1], case.batch)
       except MemoryError:  # over the budget: reported, not run
         over[schedule] = runs.pop(schedule)
-    times = {s: [] for s in runs}
-    for n in range(config.steps):
-      for schedule in exp_common.shuffled(list(runs), n):
-        run_ = runs[schedule]
-        seconds, run_[1] = _timed(run_[0], run_[1], case.batch, 1)
-        times[schedule].append(seconds)
+    times = _interleaved(runs, case.batch, config.steps, exp_common.shuffled)
     tuner = runs["dap"][0].tuner
     rows = []
     for schedule, (step, state, tuned) in {**runs, **over}.items():
@@ -314,11 +322,8 @@ def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
     with jcxl.Pool(host="64MiB", cxl="2GiB", cxl_link=slow) as fresh_pool:
       fresh_step, fresh_state = _tuned_dap(case, fresh_pool, config)
       runs = {"after": [step, state], "fresh": [fresh_step, fresh_state]}
-      times = {name: [] for name in runs}
-      for n in range(config.steps):  # interleaved, as run_case times
-        for name in exp_common.rotated(list(runs), n):
-          seconds, runs[name][1] = _timed(*runs[name], case.batch, 1)
-          times[name].append(seconds)
+      times = _interleaved(runs, case.batch, config.steps,
+                           exp_common.rotated)
   after, fresh = (statistics.median(times[n]) for n in ("after", "fresh"))
   paired = exp_common.worst_paired_ratio(times["after"],
                                          {"fresh": times["fresh"]})

@@ -493,8 +493,7 @@ def _split(profiles: Sequence[StepProfile]) -> str:
   slows while transfers overlap it."""
   compute = [sum(p.segment_compute_s) for p in profiles
              if p.segment_compute_s is not None]
-  stall = statistics.median(sum(l.stall_s for l in p.layers)
-                            for p in profiles)
+  stall = statistics.median(p.stall_s for p in profiles)
   return (f"{statistics.median(compute) * 1e3:.1f} + " if compute
           else "") + f"{stall * 1e3:.1f} stalled"
 
