@@ -144,6 +144,12 @@ class ProfileTest:
     assert profile.segment_compute_s == pytest.approx(
         (1_000e-9, 3_500e-9, 4_000e-9))
     assert profile.step_s == pytest.approx(10e-6)
+    # Bytes copied while each segment computed, each transfer's bytes
+    # spread over its run: a's fetch (910-1500 ns) partly before the first
+    # boundary; b's fetch (4910-5000) all within a's compute; the store
+    # (5910-7000) within b's, less the part b waited for (6000-7000).
+    assert profile.segment_overlap_bytes == pytest.approx(
+        (100 * 90 / 590, 200, 50 - 50 * 1000 / 1090))
 
   def test_overlapping_waits_count_once(self):
     layer_of = {1: "a", 2: "b"}

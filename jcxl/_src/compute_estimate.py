@@ -1,17 +1,26 @@
 """How long an equation computes, before anything has been measured.
 
-The adaptive schedule starts from an estimate: matrix products (dot_general,
-convolutions) cost their multiply-adds at the device's measured matmul rate,
-everything else its output elements at the measured elementwise rate. The
-rates are measured once per process on the default device (a few ms).
-Measured steps replace these estimates.
+The adaptive schedule starts from an estimate: each matrix product
+(dot_general) is timed on the default device once per shape, dtype and
+contraction (a device's matmul rate varies several-fold with the shape: a
+small or thin product runs far below the rate of a large square one);
+convolutions cost their multiply-adds at the measured rate of a 512-square
+product. Everything else is elementwise work that the compiler fuses into
+loops: a run of such equations costs the elements it reads from outside
+the run and writes out of it, at the measured rate of a loop that reads and
+writes one element each (counting every equation's output instead
+overestimated an optimizer update several-fold). Measurements are made once
+per process (a few ms each); measured steps replace these estimates.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,55 +41,125 @@ def device_rates() -> tuple[float, float]:
   matmul = jax.jit(lambda a: a @ a).lower(a).compile()
   elementwise = jax.jit(lambda x: x * 1.5 + 0.5).lower(x).compile()
 
-  def best(fn, arg, reps=5):
-    jax.block_until_ready(fn(arg))
-    times = []
-    for _ in range(reps):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(arg))
-      times.append(time.perf_counter() - t)
-    return min(times)
+  return 2 * n**3 / _best_seconds(matmul, a), x.size / _best_seconds(
+      elementwise, x)
 
-  return 2 * n**3 / best(matmul, a), x.size / best(elementwise, x)
+
+def _best_seconds(fn, *args, reps: int = 5) -> float:
+  """The fastest of a few runs after one that warms up; a run that takes
+  long is timed once (the noise is small beside it)."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - start
+  if first > 0.1:
+    return first
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+@functools.lru_cache(maxsize=None)
+def _dot_seconds(lhs: tuple[int, ...], rhs: tuple[int, ...], lhs_dtype,
+                 rhs_dtype, dimension_numbers, out_dtype) -> float:
+  """Measured time of one dot_general of this signature."""
+  a = np.ones(lhs, lhs_dtype)
+  b = np.ones(rhs, rhs_dtype)
+  dot = jax.jit(lambda a, b: jax.lax.dot_general(
+      a, b, dimension_numbers, preferred_element_type=out_dtype))
+  return _best_seconds(dot.lower(a, b).compile(), a, b)
+
+
+def _freeze(dimension_numbers):
+  return tuple(tuple(tuple(d) for d in part) for part in dimension_numbers)
 
 
 def _size(aval) -> int:
   return math.prod(getattr(aval, "shape", ()))
 
 
-def costs(eqn) -> tuple[float, float]:
-  """(matmul flops, elementwise elements) of one equation, nested
-  bodies included (a scan's body counted once per iteration)."""
+def eqn_seconds(eqn) -> float:
+  """Estimated device time of one equation, nested bodies included (a
+  scan's body once per iteration, a cond's costliest branch)."""
   name = eqn.primitive.name
-  out = sum(_size(v.aval) for v in eqn.outvars)
   if name == "dot_general":
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    return 2.0 * out * math.prod(lhs[d] for d in contract), 0.0
+    lhs, rhs = (v.aval for v in eqn.invars)
+    return _dot_seconds(tuple(lhs.shape), tuple(rhs.shape), lhs.dtype,
+                        rhs.dtype, _freeze(eqn.params["dimension_numbers"]),
+                        eqn.outvars[0].aval.dtype)
+  matmul_rate, elementwise_rate = device_rates()
+  out = sum(_size(v.aval) for v in eqn.outvars)
   if name == "conv_general_dilated":
     rhs = eqn.invars[1].aval.shape
     out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-    return 2.0 * out * math.prod(rhs) / max(1, out_features), 0.0
+    return 2.0 * out * math.prod(rhs) / max(1, out_features) / matmul_rate
   if name == "cond":
-    branches = [jaxpr_costs(b.jaxpr) for b in eqn.params["branches"]]
-    return max(branches, key=sum) if branches else (0.0, 0.0)
+    return max((jaxpr_seconds(b.jaxpr) for b in eqn.params["branches"]),
+               default=0.0)
   sub = jax_compat.sub_jaxpr(eqn)
   if sub is not None:
-    flops, elems = jaxpr_costs(sub[0])
     times = eqn.params.get("length", 1) if name == "scan" else 1
-    return flops * times, elems * times
-  return 0.0, float(out)
+    return jaxpr_seconds(sub[0]) * times
+  return out / elementwise_rate
 
 
-def jaxpr_costs(jaxpr) -> tuple[float, float]:
-  flops = elems = 0.0
-  for eqn in jaxpr.eqns:
-    f, e = costs(eqn)
-    flops, elems = flops + f, elems + e
-  return flops, elems
+@dataclasses.dataclass
+class _Node:
+  """An equation of a nested body, keyed as ``node_seconds`` wants."""
+  eqn: Any
+  ins: list[Any]
+  outs: list[Any]
 
 
-def seconds(flops: float, elements: float) -> float:
-  """Estimated device time of that much work."""
-  matmul_rate, elementwise_rate = device_rates()
-  return flops / matmul_rate + elements / elementwise_rate
+def jaxpr_seconds(jaxpr) -> float:
+  literal = jax_compat.literal_type()
+  return sum(node_seconds([_Node(
+      eqn, [(0, v) for v in eqn.invars if not isinstance(v, literal)],
+      [(0, v) for v in eqn.outvars]) for eqn in jaxpr.eqns]))
+
+
+# Primitives the compiler does not fuse into a neighbour's loop.
+_UNFUSED = frozenset({"dot_general", "conv_general_dilated", "sort",
+                      "ffi_call", "custom_call", "pure_callback",
+                      "io_callback", "all_gather", "all_reduce", "psum",
+                      "reduce_scatter", "all_to_all", "ppermute"})
+
+
+def _fused(eqn) -> bool:
+  return (eqn.primitive.name not in _UNFUSED
+          and jax_compat.sub_jaxpr(eqn) is None)
+
+
+def node_seconds(nodes: Sequence[Any],
+                 resolve: Callable[[Any], Any] = lambda key: key
+                 ) -> list[float]:
+  """Estimated time of each node of a flat program (``eqn``, ``ins``,
+  ``outs`` keys; `resolve` maps an input key to the key its producer
+  wrote): fused elementwise nodes are charged what they read from outside
+  the fused work and what they write out of it (an output no node here
+  reads leaves it; a node's ``region``, if it has one, is a program of its
+  own)."""
+  fused = [not hasattr(n, "region") and _fused(n.eqn) for n in nodes]
+  produced_by_fused = {k for n, f in zip(nodes, fused) if f for k in n.outs}
+  read_by = {}  # key -> read by some unfused node (True) or only fused ones
+  for n, f in zip(nodes, fused):
+    for atom in n.ins:
+      key = resolve(atom)
+      read_by[key] = read_by.get(key, False) or not f
+  _, elementwise_rate = device_rates()
+  out = []
+  for n, f in zip(nodes, fused):
+    if hasattr(n, "region"):
+      out.append(sum(node_seconds(n.region, resolve)))
+    elif not f:
+      out.append(eqn_seconds(n.eqn))
+    else:
+      reads = sum(_size(atom[1].aval) for atom in n.ins
+                  if isinstance(atom, tuple)
+                  and resolve(atom) not in produced_by_fused)
+      writes = sum(_size(key[1].aval) for key in n.outs
+                   if read_by.get(key, True))
+      out.append((reads + writes) / (2 * elementwise_rate))
+  return out

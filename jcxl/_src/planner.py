@@ -184,8 +184,9 @@ class Planner:
         cursor += 1
       owner.append(len(segments) - 1)
     compute = [0.0] * len(segments)
-    for i, node in enumerate(self.program.nodes):
-      seconds = compute_estimate.seconds(*_node_costs(node))
+    estimates = compute_estimate.node_seconds(self.program.nodes,
+                                              self.program.resolve)
+    for i, (node, seconds) in enumerate(zip(self.program.nodes, estimates)):
       loop = self._loop_weights(i, node)
       if loop is None:
         compute[owner[i]] += seconds
@@ -247,12 +248,3 @@ def unordered_reads(program: Program, planner: Planner,
 def shard_bytes(x: PoolArray) -> int:
   return int(np.prod(x.shard_shape)) * x.dtype.itemsize
 
-
-def _node_costs(node: Node) -> tuple[float, float]:
-  if isinstance(node, SlicedNode):
-    flops = elems = 0.0
-    for inner in node.region:
-      f, e = compute_estimate.costs(inner.eqn)
-      flops, elems = flops + f, elems + e
-    return flops, elems
-  return compute_estimate.costs(node.eqn)

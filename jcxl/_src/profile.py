@@ -65,12 +65,17 @@ class StepProfile:
       timeline (None where the waits did not match it).
     bytes_by_tier: bytes moved per tier (both directions).
     bandwidth_by_tier: bytes over the time the tier's link was busy.
+    segment_overlap_bytes: per segment (None likewise), the bytes the
+      copy engine moved while that segment computed (each transfer's bytes
+      spread evenly over its run): where copies share the device's cores
+      (XLA:CPU), they slow its compute.
   """
   step_s: float
   layers: tuple[LayerProfile, ...]
   segment_compute_s: tuple[float, ...] | None
   bytes_by_tier: dict[str, int]
   bandwidth_by_tier: dict[str, float]
+  segment_overlap_bytes: tuple[float, ...] | None = None
 
   @property
   def stall_s(self) -> float:
@@ -103,6 +108,18 @@ def _busy_seconds(intervals: list[tuple[int, int]]) -> float:
       total += b - end
       end = b
   return total * 1e-9
+
+
+def _bytes_moved_within(records: Sequence[TransferRecord], start_ns: int,
+                        end_ns: int) -> float:
+  """Bytes of `records` moved in [start_ns, end_ns), each record's bytes
+  spread evenly over its run."""
+  total = 0.0
+  for r in records:
+    a, b = max(r.started_ns, start_ns), min(r.finished_ns, end_ns)
+    if b > a:
+      total += r.nbytes * (b - a) / max(1, r.finished_ns - r.started_ns)
+  return total
 
 
 def _match_segments(fetches: list[Wait], layer_of: Mapping[int, str],
@@ -172,27 +189,36 @@ def profile_step(waits: Sequence[Wait], layer_of: Mapping[int, str],
   ends = [w.started_ns for w in fetches[1:]] + [t1]
   busy = [max(0, end - w.ended_ns) * 1e-9 for w, end in zip(fetches, ends)]
   starts = [w.started_ns for w in fetches]
+  records = [w.record for w in mine]
+  moved = [_bytes_moved_within(records, w.ended_ns, end)
+           for w, end in zip(fetches, ends)]
   for w in mine:
     if w.record.to_pool:
       at = bisect.bisect_right(starts, w.started_ns) - 1
       if at >= 0:
         busy[at] = max(0.0, busy[at] - w.wait_ns * 1e-9)
+        moved[at] = max(0.0, moved[at] - _bytes_moved_within(
+            records, w.started_ns, w.ended_ns))
   for w, seconds in zip(fetches, busy):
     stats[layer_of[w.record.handle]]["compute_s"] += seconds
-  segment_compute = None
+  segment_compute = segment_overlap = None
   assigned = _match_segments(fetches, layer_of, segments) if segments else None
   if assigned is not None and fetches:
     compute = [0.0] * len(segments)
+    overlap = [0.0] * len(segments)
     # Before the first boundary: the step's start (dispatch, any compute
     # that needs no pool bytes), charged to the first segment.
     compute[0] += (fetches[0].started_ns - t0) * 1e-9
-    for g, seconds in zip(assigned, busy):
+    overlap[0] += _bytes_moved_within(records, t0, fetches[0].started_ns)
+    for g, seconds, nbytes in zip(assigned, busy, moved):
       compute[g] += seconds
-    segment_compute = tuple(compute)
+      overlap[g] += nbytes
+    segment_compute, segment_overlap = tuple(compute), tuple(overlap)
   return StepProfile(
       step_s=(t1 - t0) * 1e-9,
       layers=tuple(LayerProfile(name=n, **stats[n]) for n in order),
       segment_compute_s=segment_compute,
+      segment_overlap_bytes=segment_overlap,
       bytes_by_tier={t: v[0] for t, v in tiers.items()},
       bandwidth_by_tier={t: v[0] / max(_busy_seconds(v[1]), 1e-9)
                          for t, v in tiers.items()})

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from jcxl._src import costmodel
 from jcxl._src.profile import StepProfile
 from jcxl._src.schedule import LayerSchedule
+from jcxl._src.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +371,8 @@ class Tuner:
     self._measured.update(medians)
     best = min(medians, key=medians.get)
     base = self._race_base
-    verdict = ("raced (median step; its compute and stall): " + ", ".join(
+    verdict = ("raced (median step; its compute, stall and bytes copied "
+               "while computing): " + ", ".join(
         f"{_describe(c, base)} {t * 1e3:.2f} ms ({_split(self._race[c])})"
         for c, t in medians.items()) + f"; keeping {_describe(best, base)}")
     self._event("raced", medians[best], verdict)
@@ -488,14 +490,18 @@ def _median_bandwidths(profiles: Sequence[StepProfile]) -> dict[str, float]:
 
 
 def _split(profiles: Sequence[StepProfile]) -> str:
-  """Median compute and stall of measured steps, for the history: on a
-  device that shares the host's cores with the copies (XLA:CPU), compute
-  slows while transfers overlap it."""
+  """Median compute, stall and bytes copied while computing of measured
+  steps, for the history: on a device that shares the host's cores with
+  the copies (XLA:CPU), compute slows while transfers overlap it."""
   compute = [sum(p.segment_compute_s) for p in profiles
              if p.segment_compute_s is not None]
+  overlap = [sum(p.segment_overlap_bytes) for p in profiles
+             if p.segment_overlap_bytes is not None]
   stall = statistics.median(p.stall_s for p in profiles)
-  return (f"{statistics.median(compute) * 1e3:.1f} + " if compute
-          else "") + f"{stall * 1e3:.1f} stalled"
+  return ((f"{statistics.median(compute) * 1e3:.1f} + " if compute else "")
+          + f"{stall * 1e3:.1f} stalled" + (
+              f", {format_bytes(int(statistics.median(overlap)))} copied "
+              "while computing" if overlap else ""))
 
 
 def _describe(schedule: LayerSchedule, base: LayerSchedule) -> str:

@@ -1,0 +1,78 @@
+"""The compute estimate the adaptive schedule starts from."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jcxl._src import compute_estimate
+from jcxl._src.program import Program
+
+
+def estimate(fn, *args) -> list[float]:
+  closed = jax.make_jaxpr(fn)(*args)
+  program = Program(closed, len(args))
+  return compute_estimate.node_seconds(program.nodes, program.resolve)
+
+
+X = np.ones((1 << 16,), np.float32)
+
+
+def test_fused_elementwise_run_costs_what_it_reads_and_writes():
+  def one_op(x):
+    return x * 2.0
+
+  def ten_ops(x):
+    for i in range(10):
+      x = x * 2.0 + float(i)
+    return x
+
+  # Twenty equations fuse into one loop: one read, one write of x, like a
+  # single equation (counting every output would charge twenty times).
+  assert sum(estimate(ten_ops, X)) == pytest.approx(sum(estimate(one_op, X)))
+  _, rate = compute_estimate.device_rates()
+  assert sum(estimate(one_op, X)) == pytest.approx(X.size / rate)
+
+
+def test_output_read_by_an_unfused_node_is_written_out():
+  w = np.ones((X.size, 8), np.float32)
+
+  def into_dot(x, w):
+    return (x * 2.0) @ w
+
+  def reduced(x, w):
+    return jnp.sum(x * 2.0) + w[0, 0]
+
+  scaled_into_dot = estimate(into_dot, X, w)[0]
+  scaled_into_sum = estimate(reduced, X, w)[0]
+  _, rate = compute_estimate.device_rates()
+  # x * 2 is read and written out before the product reads it; fused into
+  # the sum, only read.
+  assert scaled_into_dot == pytest.approx(2 * X.size / (2 * rate))
+  assert scaled_into_sum == pytest.approx(X.size / (2 * rate))
+
+
+def test_products_are_timed_per_shape_once():
+  small = np.ones((32, 32), np.float32)
+  large = np.ones((512, 512), np.float32)
+  matmul = lambda a, b: a @ b
+  before = compute_estimate._dot_seconds.cache_info().misses
+  (t_large,) = estimate(matmul, large, large)
+  (t_small,) = estimate(matmul, small, small)
+  assert estimate(matmul, large, large) == [t_large]  # measured once
+  assert compute_estimate._dot_seconds.cache_info().misses - before == 2
+  # 4096 times the multiply-adds; a small product is mostly call overhead.
+  assert t_large > 4 * t_small > 0
+
+
+def test_loop_body_counts_once_per_iteration_fused_alike():
+  def body(c, x):
+    return c, x * 2.0 + 1.0
+
+  def scanned(xs):
+    return jax.lax.scan(body, 0.0, xs)[1]
+
+  xs = np.ones((6, 1024), np.float32)
+  (loop,) = estimate(scanned, xs)
+  one = sum(estimate(lambda x: x * 2.0 + 1.0, xs[0]))
+  assert loop == pytest.approx(6 * one)
