@@ -312,14 +312,16 @@ def race(tuner, step_time):
   return ran
 
 
-def settled_tuner(profile, confirm_every=1):
+def settled_tuner(profile, confirm_every=1, **options):
   """A tuner settled on every layer (1 MiB, 50 ms of compute each) 1 ahead,
-  after steps measured as `profile`; it measures every step from then on."""
+  after steps measured as `profile`; unless `options` say otherwise, it
+  measures every step from then on."""
   segments = [seg(n, MiB, 0.05) for n in "abcd"]
   start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1), name="dap")
+  options = dict(dict(check_every=1, check_every_max=1), **options)
   tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
-      warmup_steps=0, measure_steps=3, explore=(), check_every=1,
-      confirm_every=confirm_every))
+      warmup_steps=0, measure_steps=3, explore=(),
+      confirm_every=confirm_every, **options))
   tuner.resolve(segments, LINK)
   while not tuner.converged:
     tuner.step_done(profile)
@@ -496,18 +498,42 @@ class TunerTest:
 
   def test_link_drift_counts_by_its_effect_on_the_step(self):
     # Small fetches behind long compute: the plan does not care how fast
-    # the link is, until it is slow enough to stall the step.
-    at = lambda gbps: profile_lib.StepProfile(
-        step_s=0.2, layers=(), segment_compute_s=None, bytes_by_tier={},
+    # the link is, until it is slow enough to stall the step. (Step-time
+    # drift is off here: only the links count.)
+    at = lambda gbps, step_s=0.2: profile_lib.StepProfile(
+        step_s=step_s, layers=(), segment_compute_s=None, bytes_by_tier={},
         bandwidth_by_tier={"cxl": gbps * 1e9})
-    tuner = settled_tuner(at(1.0))
+    tuner = settled_tuner(at(1.0), drift=10.0)
     events = len(tuner.history)
     for _ in range(6):  # a third of the bandwidth: still hidden
       assert not tuner.step_done(at(0.33))
+    # 10 MB/s measured (0.1 s a fetch: the model's step stalls), but the
+    # step runs as fast as ever: the bandwidth measured was the host's
+    # load on the copies, not the link.
+    for _ in range(6):
+      assert not tuner.step_done(at(0.01))
     assert tuner.converged and len(tuner.history) == events
-    for _ in range(3):  # 10 MB/s: 0.1 s a fetch, the step stalls
-      tuner.step_done(at(0.01))
+    for _ in range(3):  # and now the step stalls as the model says
+      tuner.step_done(at(0.01, step_s=0.45))
     assert tuner.history[events].what == "drift"
+
+  def test_checks_grow_sparser_while_nothing_changes(self):
+    tuner = settled_tuner(profile_of(0.1), check_every=2, check_every_max=8)
+    measured = []
+    for step in range(40):
+      measured.append(tuner.wants_measurement())
+      tuner.step_done(profile_of(0.1) if measured[-1] else None)
+    gaps = np.diff(np.flatnonzero(measured))
+    assert list(gaps[:3]) == [4, 8, 8] and set(gaps[3:]) == {8}
+    # A drift, and the plan settled again: it measures often again.
+    events = len(tuner.history)
+    while not (tuner.converged and len(tuner.history) > events):
+      tuner.step_done(profile_of(0.2) if tuner.wants_measurement()
+                      else None)
+    assert "drift" in [e.what for e in tuner.history[events:]]
+    assert not tuner.wants_measurement()
+    tuner.step_done(None)
+    assert tuner.wants_measurement()
 
   def test_candidate_over_budget_leaves_the_race(self):
     segments = [seg(n, MiB, 0.05) for n in "abcd"]

@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from jcxl._src import costmodel
 from jcxl._src.pool import TransferRecord
 
@@ -110,16 +112,18 @@ def _busy_seconds(intervals: list[tuple[int, int]]) -> float:
   return total * 1e-9
 
 
-def _bytes_moved_within(records: Sequence[TransferRecord], start_ns: int,
-                        end_ns: int) -> float:
-  """Bytes of `records` moved in [start_ns, end_ns), each record's bytes
-  spread evenly over its run."""
-  total = 0.0
-  for r in records:
-    a, b = max(r.started_ns, start_ns), min(r.finished_ns, end_ns)
-    if b > a:
-      total += r.nbytes * (b - a) / max(1, r.finished_ns - r.started_ns)
-  return total
+def _bytes_moved_by(records: Sequence[TransferRecord],
+                    times_ns: Sequence[int]) -> np.ndarray:
+  """For each time, the bytes `records` had moved by then, each record's
+  bytes spread evenly over its run."""
+  if not records:
+    return np.zeros(len(times_ns))
+  start = np.array([r.started_ns for r in records], np.float64)
+  run = np.maximum(np.array([r.finished_ns for r in records], np.float64)
+                   - start, 1.0)
+  nbytes = np.array([r.nbytes for r in records], np.float64)
+  t = np.asarray(times_ns, np.float64)[:, None]
+  return np.clip((t - start) / run, 0.0, 1.0) @ nbytes
 
 
 def _match_segments(fetches: list[Wait], layer_of: Mapping[int, str],
@@ -189,16 +193,18 @@ def profile_step(waits: Sequence[Wait], layer_of: Mapping[int, str],
   ends = [w.started_ns for w in fetches[1:]] + [t1]
   busy = [max(0, end - w.ended_ns) * 1e-9 for w, end in zip(fetches, ends)]
   starts = [w.started_ns for w in fetches]
-  records = [w.record for w in mine]
-  moved = [_bytes_moved_within(records, w.ended_ns, end)
-           for w, end in zip(fetches, ends)]
-  for w in mine:
-    if w.record.to_pool:
-      at = bisect.bisect_right(starts, w.started_ns) - 1
-      if at >= 0:
-        busy[at] = max(0.0, busy[at] - w.wait_ns * 1e-9)
-        moved[at] = max(0.0, moved[at] - _bytes_moved_within(
-            records, w.started_ns, w.ended_ns))
+  stores = [w for w in mine if w.record.to_pool]
+  # Bytes moved by each time that bounds a compute stretch or a wait.
+  marks = [t0, t1] + [t for w in mine for t in (w.started_ns, w.ended_ns)]
+  moved_by = dict(zip(marks, _bytes_moved_by([w.record for w in mine],
+                                             marks)))
+  within = lambda a, b: max(0.0, moved_by[b] - moved_by[a])
+  moved = [within(w.ended_ns, end) for w, end in zip(fetches, ends)]
+  for w in stores:
+    at = bisect.bisect_right(starts, w.started_ns) - 1
+    if at >= 0:
+      busy[at] = max(0.0, busy[at] - w.wait_ns * 1e-9)
+      moved[at] = max(0.0, moved[at] - within(w.started_ns, w.ended_ns))
   for w, seconds in zip(fetches, busy):
     stats[layer_of[w.record.handle]]["compute_s"] += seconds
   segment_compute = segment_overlap = None
@@ -209,7 +215,7 @@ def profile_step(waits: Sequence[Wait], layer_of: Mapping[int, str],
     # Before the first boundary: the step's start (dispatch, any compute
     # that needs no pool bytes), charged to the first segment.
     compute[0] += (fetches[0].started_ns - t0) * 1e-9
-    overlap[0] += _bytes_moved_within(records, t0, fetches[0].started_ns)
+    overlap[0] += within(t0, fetches[0].started_ns)
     for g, seconds, nbytes in zip(assigned, busy, moved):
       compute[g] += seconds
       overlap[g] += nbytes

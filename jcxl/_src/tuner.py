@@ -10,10 +10,10 @@ once each, run in turn, one step each per round; the close ones for more
 rounds) and keeps whichever ran fastest: the model does not see everything
 (copies competing with compute for the host's cores, say), the device
 does; the model then learns from the kept plan's steps. Once settled, it
-measures one step every so often; when a link or the step time moves from
-what the plan was made for (a link slowed because another job shares it,
-say), and a few more measured steps, spaced out, confirm it, it re-plans
-and races again.
+measures one step every so often (less often while nothing changes); when
+the step time, or a link and the step with it, moves from what the plan
+was made for (a link slowed because another job shares it, say), and a few
+more measured steps, spaced out, confirm it, it re-plans and races again.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ class TunerOptions:
     measure_steps: steps measured before each re-plan (their medians
       are used: the first step after a recompile runs slow).
     max_replans: plan changes (recompiles) allowed over the whole run.
-    check_every: once converged, measure one step in this many.
+    check_every: once converged, measure one step in this many at first;
+    check_every_max: each check that finds nothing doubles the interval,
+      up to this (measuring costs the host a few ms a step).
     drift: how much slower than when the plan settled (or the fastest
       check since) measured steps must run to trigger a re-plan.
     confirm_every: once a check looks off, measure one step in this many
@@ -49,7 +51,9 @@ class TunerOptions:
       steps; a drift lasts).
     link_drift: relative change of the plan's modelled step time when the
       links' measured bandwidths replace those it was made for, that
-      triggers a re-plan.
+      triggers a re-plan, if the measured step moved the same way by at
+      least half as much (where copies share the host's cores, achieved
+      bandwidth swings with the load while the step does not).
     min_gain: fraction of the step a re-plan must be predicted to save
       for the tuner to switch plans (and recompile).
     explore: uniform prefetch distances raced against the model's plan
@@ -66,6 +70,7 @@ class TunerOptions:
   measure_steps: int = 3
   max_replans: int = 6
   check_every: int = 8
+  check_every_max: int = 32
   confirm_every: int = 4
   drift: float = 0.15
   link_drift: float = 0.05
@@ -109,6 +114,9 @@ class Tuner:
     self._baseline_s: float | None = None  # measured once it settled
     self._steps = 0
     self._since_check = 0
+    self._check_every = options.check_every
+    # The plan's modelled step on the links it was made for, by plan.
+    self._planned_step: tuple[LayerSchedule, float] | None = None
     # Per plan tried: its compile-cache version and the step time measured
     # with it, so that a plan the cost model liked but the device did not
     # is dropped for the best one measured (without a recompile).
@@ -181,6 +189,7 @@ class Tuner:
     self.prediction = choice.prediction
     self.reasons = choice.reasons
     self._planned_for = {t: l.bandwidth for t, l in self._links.items()}
+    self._planned_step = None
     self._event(what if changed else "holds", measured_s,
                 "; ".join(choice.reasons))
     return changed
@@ -222,7 +231,7 @@ class Tuner:
     if self._state == "warmup":
       return self._steps >= self.options.warmup_steps
     if self._state == "steady":
-      return self._since_check + 1 >= self.options.check_every
+      return self._since_check + 1 >= self._check_every
     if self._state == "confirm":
       return self._since_check + 1 >= self.options.confirm_every
     return True
@@ -243,6 +252,9 @@ class Tuner:
         # The machine's noise only ever adds time: the fastest step seen
         # is the truest baseline.
         self._baseline_s = min(self._baseline_s, profile.step_s)
+        self._check_every = min(2 * self._check_every,
+                                max(self.options.check_every,
+                                    self.options.check_every_max))
         return False
       # One slow step is often just the machine: measure a few more,
       # spaced out, before believing it (no re-plan, no recompile on
@@ -261,6 +273,7 @@ class Tuner:
       # race's steps, each after another plan's, run slower).
       self._baseline_s = measured
       self._planned_for.update(_median_bandwidths(self._window))
+      self._planned_step = None
       self._state, self._window = "steady", []
       self._event("settled", measured, "baseline for drift: "
                   f"{measured * 1e3:.2f} ms a step")
@@ -396,6 +409,7 @@ class Tuner:
     self._state = "baseline"
     self._baseline_s = None
     self._since_check = 0
+    self._check_every = self.options.check_every
 
   def _switch(self, schedule: LayerSchedule) -> None:
     self.schedule = schedule
@@ -403,24 +417,37 @@ class Tuner:
     self.prediction = self.predict(dict(schedule.prefetch))
 
   def _drifted(self, profiles: Sequence[StepProfile]) -> bool:
-    """Whether a link (its effect on the step) moved from what the plan
-    was made for, or the step slowed from its baseline (medians over
+    """Whether the step slowed from its baseline, or a link moved from
+    what the plan was made for and the step moved with it (medians over
     `profiles`)."""
-    tolerance = self.options.drift
+    base = self._baseline_s
+    step_s = statistics.median(p.step_s for p in profiles)
+    if base and step_s > (1 + self.options.drift) * base:
+      return True
     # A link counts by what it does to this plan's step: the achieved
     # bandwidth of small or well-hidden transfers swings widely with no
     # effect on the step at all.
     measured = {t: costmodel.Link(bw) for t, bw in
                 _median_bandwidths(profiles).items() if t in self._links}
-    if measured:
-      planned = {t: costmodel.Link(bw) for t, bw in self._planned_for.items()}
-      then = self._simulate({**self._links, **planned})
-      now = self._simulate({**self._links, **planned, **measured})
-      if abs(now - then) > self.options.link_drift * then:
-        return True
-    base = self._baseline_s
-    step_s = statistics.median(p.step_s for p in profiles)
-    return bool(base) and step_s > (1 + tolerance) * base
+    if not measured:
+      return False
+    then = self._planned_step_s()
+    moved = self._simulate({**self._planned_links(), **measured}) - then
+    if abs(moved) <= self.options.link_drift * then:
+      return False
+    return not base or (step_s - base) / moved >= 0.5
+
+  def _planned_links(self) -> dict[str, costmodel.Link]:
+    return {**self._links, **{t: costmodel.Link(bw)
+                              for t, bw in self._planned_for.items()}}
+
+  def _planned_step_s(self) -> float:
+    """The plan's modelled step on the links it was made for (cached: the
+    checks of a settled plan ask it again and again)."""
+    if self._planned_step is None or self._planned_step[0] != self.schedule:
+      self._planned_step = (self.schedule,
+                            self._simulate(self._planned_links()))
+    return self._planned_step[1]
 
   def _learn_and_replan(self, measured_s: float) -> bool:
     self._learn(self._window, self.schedule, measured_s)
@@ -430,6 +457,7 @@ class Tuner:
              measured_s: float) -> None:
     """Learns each segment's compute, the links and what the model does
     not see from `schedule`'s measured steps `window` (medians)."""
+    self._planned_step = None  # the model changes
     matched = [p.segment_compute_s for p in window
                if p.segment_compute_s is not None]
     if matched:
