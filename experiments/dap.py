@@ -92,8 +92,8 @@ _STEPS = flags.DEFINE_integer(
     "steps", 24, "timed rounds per case (one step of each schedule a round)",
     flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
-    "tune_steps", 70, "most untimed steps DAP may tune for",
-    flag_values=FLAGS)
+    "tune_steps", 70, "most untimed steps DAP may tune for (twice that to "
+    "re-plan after the link slows)", flag_values=FLAGS)
 _BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
                               flag_values=FLAGS)
 _TIGHT_MODELS = flags.DEFINE_list(
@@ -313,7 +313,9 @@ def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
     pool.set_link("cxl", slow)
     seen = len(step.tuner.history)
     replanned_after = None
-    for n in range(1, config.tune_steps + 1):
+    # A settled plan is checked up to 32 steps apart; a drift is then
+    # confirmed, re-planned and raced like a fresh start.
+    for n in range(1, 2 * config.tune_steps + 1):
       *state, _ = step(*state, case.batch)
       events = [e.what for e in step.tuner.history[seen:]]
       if "drift" in events and step.tuner.converged:

@@ -476,6 +476,25 @@ class TunerTest:
       tuner.step_done(profile_of(step_s))
     assert [e.what for e in tuner.history[events:]][0] == "drift"
 
+  def test_a_fast_outlier_does_not_make_the_usual_step_a_drift(self):
+    # Drift is judged against the median of recent checks: against the
+    # fastest step seen, the usual step (10-20% slower than a lucky one)
+    # would look like one.
+    tuner = settled_tuner(profile_of(0.1))
+    assert run_steps(tuner, [0.08] + [0.095, 0.1, 0.105] * 6) == []
+    assert tuner.converged
+    assert run_steps(tuner, [0.13] * 3)[0] == "drift"
+
+  def test_a_faster_link_is_not_a_drift(self):
+    at = lambda gbps: profile_lib.StepProfile(
+        step_s=0.2, layers=(), segment_compute_s=None, bytes_by_tier={},
+        bandwidth_by_tier={"cxl": gbps * 1e9})
+    tuner = settled_tuner(at(0.01), drift=10.0)  # planned on a slow link
+    assert run_steps(tuner, [0.2] * 6) == []
+    for _ in range(6):  # the link got 100x faster: the plan is as good
+      assert not tuner.step_done(at(1.0))
+    assert tuner.converged
+
   def test_budget_replans_end_when_need_is_not_additive(self):
     # The device needs 2 MiB more with any prefetch at all (XLA's peak is
     # elsewhere), whatever the plan counts: re-plans must still end. A long

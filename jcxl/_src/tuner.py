@@ -30,6 +30,9 @@ from jcxl._src.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
+# Checks of a settled plan whose median is the baseline drift is judged by.
+_RECENT_CHECKS = 9
+
 
 @dataclasses.dataclass(frozen=True)
 class TunerOptions:
@@ -44,16 +47,16 @@ class TunerOptions:
     check_every: once converged, measure one step in this many at first;
     check_every_max: each check that finds nothing doubles the interval,
       up to this (measuring costs the host a few ms a step).
-    drift: how much slower than when the plan settled (or the fastest
-      check since) measured steps must run to trigger a re-plan.
+    drift: how much slower than the settled plan's median step (over
+      its last checks) measured steps must run to trigger a re-plan.
     confirm_every: once a check looks off, measure one step in this many
       to confirm it (a burst of load on a shared machine lasts a few
       steps; a drift lasts).
     link_drift: relative change of the plan's modelled step time when the
       links' measured bandwidths replace those it was made for, that
-      triggers a re-plan, if the measured step moved the same way by at
-      least half as much (where copies share the host's cores, achieved
-      bandwidth swings with the load while the step does not).
+      triggers a re-plan, if the link slowed and the measured step with it
+      by at least half as much (where copies share the host's cores,
+      achieved bandwidth swings with the load while the step does not).
     min_gain: fraction of the step a re-plan must be predicted to save
       for the tuner to switch plans (and recompile).
     explore: uniform prefetch distances raced against the model's plan
@@ -111,7 +114,9 @@ class Tuner:
     self._planned_for: dict[str, float] = {}  # tier -> bandwidth used
     self._window: list[StepProfile] = []
     self._state = "warmup"
-    self._baseline_s: float | None = None  # measured once it settled
+    # The settled plan's median step, over its last checks (`_recent`).
+    self._baseline_s: float | None = None
+    self._recent: list[float] = []
     self._steps = 0
     self._since_check = 0
     self._check_every = options.check_every
@@ -249,9 +254,10 @@ class Tuner:
     if self._state == "steady":
       self._since_check = 0
       if not self._drifted([profile]):
-        # The machine's noise only ever adds time: the fastest step seen
-        # is the truest baseline.
-        self._baseline_s = min(self._baseline_s, profile.step_s)
+        # Drift is judged median against median: a baseline that is the
+        # fastest step seen makes the machine's noise look like drift.
+        self._recent = (self._recent + [profile.step_s])[-_RECENT_CHECKS:]
+        self._baseline_s = statistics.median(self._recent)
         self._check_every = min(2 * self._check_every,
                                 max(self.options.check_every,
                                     self.options.check_every_max))
@@ -272,6 +278,7 @@ class Tuner:
       # What drift is judged against: the kept plan, run on its own (a
       # race's steps, each after another plan's, run slower).
       self._baseline_s = measured
+      self._recent = [p.step_s for p in self._window]
       self._planned_for.update(_median_bandwidths(self._window))
       self._planned_step = None
       self._state, self._window = "steady", []
@@ -284,7 +291,8 @@ class Tuner:
         return False
       self._event("drift", measured,
                   f"measured {measured * 1e3:.2f} ms against "
-                  f"{_ms(self._baseline_s)} when the plan settled; "
+                  f"{_ms(self._baseline_s)} (the settled plan's median "
+                  "over its recent checks); "
                   "links " + ", ".join(
                       f"{t} {b / 1e9:.2f} GB/s" for t, b in
                       _median_bandwidths(self._window).items()))
@@ -417,8 +425,8 @@ class Tuner:
     self.prediction = self.predict(dict(schedule.prefetch))
 
   def _drifted(self, profiles: Sequence[StepProfile]) -> bool:
-    """Whether the step slowed from its baseline, or a link moved from
-    what the plan was made for and the step moved with it (medians over
+    """Whether the step slowed from its baseline, or a link slowed from
+    what the plan was made for and the step with it (medians over
     `profiles`)."""
     base = self._baseline_s
     step_s = statistics.median(p.step_s for p in profiles)
@@ -432,10 +440,11 @@ class Tuner:
     if not measured:
       return False
     then = self._planned_step_s()
+    # Only a slower link counts: a faster one leaves the plan as good.
     moved = self._simulate({**self._planned_links(), **measured}) - then
-    if abs(moved) <= self.options.link_drift * then:
+    if moved <= self.options.link_drift * then:
       return False
-    return not base or (step_s - base) / moved >= 0.5
+    return not base or step_s - base >= 0.5 * moved
 
   def _planned_links(self) -> dict[str, costmodel.Link]:
     return {**self._links, **{t: costmodel.Link(bw)
