@@ -11,9 +11,11 @@ rounds) and keeps whichever ran fastest: the model does not see everything
 (copies competing with compute for the host's cores, say), the device
 does; the model then learns from the kept plan's steps. Once settled, it
 measures one step every so often (less often while nothing changes); when
-the step time, or a link and the step with it, moves from what the plan
-was made for (a link slowed because another job shares it, say), and a few
-more measured steps, spaced out, confirm it, it re-plans and races again.
+a link slows from what the plan was made for, and the step with it (another
+job shares the link, say), and a few more measured steps, spaced out,
+confirm it, it re-plans and races again. When only the step slows (the host
+got busier), every plan slows alike: it keeps the plan and measures a new
+baseline.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class TunerOptions:
       steps; a drift lasts).
     link_drift: relative change of the plan's modelled step time when the
       links' measured bandwidths replace those it was made for, that
-      triggers a re-plan, if the link slowed and the measured step with it
-      by at least half as much (where copies share the host's cores,
+      triggers a re-plan, if the link slowed and the measured step slowed
+      by as much from its baseline (where copies share the host's cores,
       achieved bandwidth swings with the load while the step does not).
     min_gain: fraction of the step a re-plan must be predicted to save
       for the tuner to switch plans (and recompile).
@@ -88,7 +90,9 @@ class TunerOptions:
 class TunerEvent:
   """One thing the tuner did, for its history."""
   step: int
-  what: str  # plan replan holds race raced settled drift frozen budget
+  # plan, replan, holds, race, raced, settled, drift (a link slowed: it
+  # re-plans and races), slower (only the step slowed), frozen, budget
+  what: str
   predicted_s: float | None
   measured_s: float | None
   detail: str = ""
@@ -253,7 +257,7 @@ class Tuner:
       return False
     if self._state == "steady":
       self._since_check = 0
-      if not self._drifted([profile]):
+      if self._drifted([profile]) is None:
         # Drift is judged median against median: a baseline that is the
         # fastest step seen makes the machine's noise look like drift.
         self._recent = (self._recent + [profile.step_s])[-_RECENT_CHECKS:]
@@ -286,16 +290,24 @@ class Tuner:
                   f"{measured * 1e3:.2f} ms a step")
       return False
     if self._state == "confirm":
-      if not self._drifted(self._window):
+      drift = self._drifted(self._window)
+      if drift is None:
         self._state, self._window = "steady", []
         return False
-      self._event("drift", measured,
-                  f"measured {measured * 1e3:.2f} ms against "
-                  f"{_ms(self._baseline_s)} (the settled plan's median "
-                  "over its recent checks); "
-                  "links " + ", ".join(
-                      f"{t} {b / 1e9:.2f} GB/s" for t, b in
-                      _median_bandwidths(self._window).items()))
+      seen = (f"measured {measured * 1e3:.2f} ms against "
+              f"{_ms(self._baseline_s)} (the settled plan's median over "
+              "its recent checks); links " + ", ".join(
+                  f"{t} {b / 1e9:.2f} GB/s" for t, b in
+                  _median_bandwidths(self._window).items()))
+      if drift == "step":
+        # The links run as the plan was made for: the host slowed (another
+        # job on its cores, say). That slows every plan alike; a race
+        # would cost steps and find the same plan.
+        self._event("slower", measured, seen + " as planned: keeping the "
+                    "plan, measuring a new baseline")
+        self._settle(self.schedule)
+        return False
+      self._event("drift", measured, seen)
       self._measured.clear()  # times under the old conditions
     self._measured[self.schedule] = measured
     changed = self._learn_and_replan(measured)
@@ -424,27 +436,27 @@ class Tuner:
     self.version = self._versions.setdefault(schedule, len(self._versions))
     self.prediction = self.predict(dict(schedule.prefetch))
 
-  def _drifted(self, profiles: Sequence[StepProfile]) -> bool:
-    """Whether the step slowed from its baseline, or a link slowed from
-    what the plan was made for and the step with it (medians over
-    `profiles`)."""
+  def _drifted(self, profiles: Sequence[StepProfile]) -> str | None:
+    """Whether a link slowed from what the plan was made for and the step
+    with it ("link"), or only the step slowed from its baseline ("step"),
+    or neither (None); medians over `profiles`."""
     base = self._baseline_s
     step_s = statistics.median(p.step_s for p in profiles)
-    if base and step_s > (1 + self.options.drift) * base:
-      return True
     # A link counts by what it does to this plan's step: the achieved
     # bandwidth of small or well-hidden transfers swings widely with no
-    # effect on the step at all.
+    # effect on the step at all. Only a slower link counts: a faster one
+    # leaves the plan as good.
     measured = {t: costmodel.Link(bw) for t, bw in
                 _median_bandwidths(profiles).items() if t in self._links}
-    if not measured:
-      return False
-    then = self._planned_step_s()
-    # Only a slower link counts: a faster one leaves the plan as good.
-    moved = self._simulate({**self._planned_links(), **measured}) - then
-    if moved <= self.options.link_drift * then:
-      return False
-    return not base or step_s - base >= 0.5 * moved
+    if measured:
+      then = self._planned_step_s()
+      moved = self._simulate({**self._planned_links(), **measured}) - then
+      if moved > self.options.link_drift * then and (
+          not base or step_s > (1 + self.options.link_drift) * base):
+        return "link"
+    if base and step_s > (1 + self.options.drift) * base:
+      return "step"
+    return None
 
   def _planned_links(self) -> dict[str, costmodel.Link]:
     return {**self._links, **{t: costmodel.Link(bw)
