@@ -66,6 +66,21 @@ class DapExperimentTest:
     assert "EMULATED" in text and "Link slowdown" in text
     assert results["slowdown"]["slow_gbps"] == pytest.approx(2.0)
 
+  def test_rounds_run_blocks_back_to_back_and_time_the_last(self):
+    calls = []
+
+    def step_of(name):
+      def step(count, batch):
+        calls.append(name)
+        return count + 1, 0.0
+      return step
+
+    runs = {name: [step_of(name), [0]] for name in "ab"}
+    times = dap._interleaved(runs, None, 2, lambda names, n: names, block=3)
+    assert calls == list("aaabbbaaabbb")
+    assert [len(t) for t in times.values()] == [2, 2]
+    assert [state for _, state in runs.values()] == [[6], [6]]
+
   @pytest.mark.parametrize("args, message", [
       (["--models=nope"], "--models: unknown model"),
       (["--tight_models=nope"], "--tight_models: unknown model"),
@@ -73,6 +88,7 @@ class DapExperimentTest:
       (["--schedules=fixed:x,dap"], "schedule must be"),
       (["--schedules=sync"], "must include dap"),
       (["--slowdown=0.5"], "--slowdown"),
+      (["--block_steps=0"], "--block_steps"),
   ])
   def test_bad_flags(self, run_program, args, message):
     with pytest.raises(app.UsageError, match=message):

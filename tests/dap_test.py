@@ -538,6 +538,29 @@ class TunerTest:
       tuner.step_done(at(0.01, step_s=0.45))
     assert tuner.history[events].what == "drift"
 
+  def test_a_slower_link_that_keeps_the_plan_is_not_raced_again(self):
+    at = lambda gbps, step_s=0.2: profile_lib.StepProfile(
+        step_s=step_s, layers=(), segment_compute_s=None, bytes_by_tier={},
+        bandwidth_by_tier={"cxl": gbps * 1e9})
+    segments = [seg(n, MiB, 0.05) for n in "abcd"]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1),
+                                          name="dap")
+    tuner = tuner_lib.Tuner(start, 9 * MiB + MiB // 2, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=3, explore=(0, 2), check_every=1,
+        check_every_max=1, confirm_every=1))
+    tuner.resolve(segments, LINK)
+    tuner.calibrate(9 * MiB)  # 1 MiB ahead fits the budget, 2 do not
+    ran = race(tuner, lambda schedule: at(1.0))
+    assert {max(dict(s.prefetch).values()) for s in ran} == {0, 1}
+    events = len(tuner.history)
+    # 15 MB/s: each fetch outlasts its layer's compute, and the step slows.
+    for _ in range(6):
+      tuner.step_done(at(0.015, step_s=0.27))
+    # Deeper does not fit: the model keeps the plan, with no race.
+    assert [e.what for e in tuner.history[events:]] == [
+        "drift", "holds", "settled"]
+    assert dict(tuner.schedule.prefetch) == dict.fromkeys("abcd", 1)
+
   def test_checks_grow_sparser_while_nothing_changes(self):
     tuner = settled_tuner(profile_of(0.1), check_every=2, check_every_max=8)
     measured = []

@@ -13,9 +13,9 @@ does; the model then learns from the kept plan's steps. Once settled, it
 measures one step every so often (less often while nothing changes); when
 a link slows from what the plan was made for, and the step with it (another
 job shares the link, say), and a few more measured steps, spaced out,
-confirm it, it re-plans and races again. When only the step slows (the host
-got busier), every plan slows alike: it keeps the plan and measures a new
-baseline.
+confirm it, it re-plans, and races again if the plan changed. When only the
+step slows (the host got busier), every plan slows alike: it keeps the plan
+and measures a new baseline.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class TunerOptions:
       steps; a drift lasts).
     link_drift: relative change of the plan's modelled step time when the
       links' measured bandwidths replace those it was made for, that
-      triggers a re-plan, if the link slowed and the measured step slowed
-      by as much from its baseline (where copies share the host's cores,
+      triggers a re-plan, if the link slowed and the measured step runs
+      slower than its baseline (where copies share the host's cores,
       achieved bandwidth swings with the load while the step does not).
     min_gain: fraction of the step a re-plan must be predicted to save
       for the tuner to switch plans (and recompile).
@@ -309,12 +309,18 @@ class Tuner:
         return False
       self._event("drift", measured, seen)
       self._measured.clear()  # times under the old conditions
+    after_drift = self._state == "confirm"
     self._measured[self.schedule] = measured
     changed = self._learn_and_replan(measured)
     self._window = []
     self._state = "measure"
     if changed:
       return True
+    if after_drift:
+      # The model, on the links as measured now, keeps the plan the last
+      # race settled on: no race (its candidates ran before).
+      self._settle(self.schedule)
+      return False
     return self._start_race(measured)
 
   # -------------------------------------------------------------- racing
@@ -452,7 +458,7 @@ class Tuner:
       then = self._planned_step_s()
       moved = self._simulate({**self._planned_links(), **measured}) - then
       if moved > self.options.link_drift * then and (
-          not base or step_s > (1 + self.options.link_drift) * base):
+          not base or step_s > base):
         return "link"
     if base and step_s > (1 + self.options.drift) * base:
       return "step"
