@@ -35,6 +35,7 @@ import csv
 import dataclasses
 import os
 import statistics
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -479,7 +480,8 @@ def _plots(rows: list[dict], stalls: dict, title: str,
                               "step time (ms; 0: over budget, not run)"),
                              ("device_need", "memory.png",
                               "device need (bytes)")):
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
+    width_in = max(6, 2.2 * len(cases))
+    fig, ax = plt.subplots(figsize=(width_in, 4))
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
     width = 0.8 / len(schedules)
     for j, s in enumerate(schedules):
@@ -491,7 +493,7 @@ def _plots(rows: list[dict], stalls: dict, title: str,
     ax.set_xticklabels([n.replace(" @ ", "\n").replace(", ", "\n")
                         for n in cases], fontsize=7)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=8)
+    ax.set_title(textwrap.fill(title, int(14 * width_in)), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(config.run_dir, fname))
@@ -507,7 +509,7 @@ def _plots(rows: list[dict], stalls: dict, title: str,
       ax.set_xticks(range(len(names)))
       ax.set_xticklabels(names, rotation=60, fontsize=6)
     ax.set_ylabel("stall per step (ms)")
-    ax.set_title(f"{case}\n{title}", fontsize=7)
+    ax.set_title(f"{case}\n" + textwrap.fill(title, 90), fontsize=7)
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(config.run_dir, "stall.png"))

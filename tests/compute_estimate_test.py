@@ -76,3 +76,15 @@ def test_loop_body_counts_once_per_iteration_fused_alike():
   (loop,) = estimate(scanned, xs)
   one = sum(estimate(lambda x: x * 2.0 + 1.0, xs[0]))
   assert loop == pytest.approx(6 * one)
+
+
+def test_a_large_product_is_timed_on_a_slice(monkeypatch):
+  monkeypatch.setattr(compute_estimate, "_TIMED_FLOPS", 2 * 64**3)
+  a = np.ones((256, 64), np.float32)
+  b = np.ones((64, 64), np.float32)
+  (estimated,) = estimate(lambda a, b: a @ b, a, b)
+  # Its largest free dimension (256 rows) cut to 64, the time scaled by 4.
+  sliced = compute_estimate._dot_seconds(
+      (64, 64), (64, 64), a.dtype, b.dtype, (((1,), (0,)), ((), ())),
+      np.dtype(np.float32))
+  assert estimated == pytest.approx(4 * sliced)

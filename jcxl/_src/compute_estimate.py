@@ -10,7 +10,8 @@ loops: a run of such equations costs the elements it reads from outside
 the run and writes out of it, at the measured rate of a loop that reads and
 writes one element each (counting every equation's output instead
 overestimated an optimizer update several-fold). Measurements are made once
-per process (a few ms each); measured steps replace these estimates.
+per process (a few ms each: a large product is timed on a slice of it);
+measured steps replace these estimates.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ def device_rates() -> tuple[float, float]:
   x = np.ones((1 << 22,), np.float32)
   matmul = jax.jit(lambda a: a @ a).lower(a).compile()
   elementwise = jax.jit(lambda x: x * 1.5 + 0.5).lower(x).compile()
-
   return 2 * n**3 / _best_seconds(matmul, a), x.size / _best_seconds(
       elementwise, x)
 
@@ -76,6 +76,32 @@ def _freeze(dimension_numbers):
   return tuple(tuple(tuple(d) for d in part) for part in dimension_numbers)
 
 
+# Products with more multiply-adds are timed on a slice of this size and
+# scaled (past it the rate no longer grows; planning a large model on a
+# small host must not run its full-size products).
+_TIMED_FLOPS = 2e9
+
+
+def _dot_estimate(lhs: tuple[int, ...], rhs: tuple[int, ...], lhs_dtype,
+                  rhs_dtype, dimension_numbers, out_dtype) -> float:
+  """A dot_general's time: measured, on its largest free dimension cut
+  down to about `_TIMED_FLOPS` multiply-adds and scaled back up."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  flops = 2.0 * math.prod(lhs) * math.prod(
+      d for i, d in enumerate(rhs) if i not in rc and i not in rb)
+  if flops <= _TIMED_FLOPS:
+    return _dot_seconds(lhs, rhs, lhs_dtype, rhs_dtype, dimension_numbers,
+                        out_dtype)
+  free = [(lhs[i], 0, i) for i in range(len(lhs)) if i not in lc + lb] + [
+      (rhs[i], 1, i) for i in range(len(rhs)) if i not in rc + rb]
+  size, side, axis = max(free)
+  cut = max(1, int(size * _TIMED_FLOPS / flops))
+  shapes = [list(lhs), list(rhs)]
+  shapes[side][axis] = cut
+  return _dot_seconds(tuple(shapes[0]), tuple(shapes[1]), lhs_dtype,
+                      rhs_dtype, dimension_numbers, out_dtype) * size / cut
+
+
 def _size(aval) -> int:
   return math.prod(getattr(aval, "shape", ()))
 
@@ -86,9 +112,9 @@ def eqn_seconds(eqn) -> float:
   name = eqn.primitive.name
   if name == "dot_general":
     lhs, rhs = (v.aval for v in eqn.invars)
-    return _dot_seconds(tuple(lhs.shape), tuple(rhs.shape), lhs.dtype,
-                        rhs.dtype, _freeze(eqn.params["dimension_numbers"]),
-                        eqn.outvars[0].aval.dtype)
+    return _dot_estimate(tuple(lhs.shape), tuple(rhs.shape), lhs.dtype,
+                         rhs.dtype, _freeze(eqn.params["dimension_numbers"]),
+                         eqn.outvars[0].aval.dtype)
   matmul_rate, elementwise_rate = device_rates()
   out = sum(_size(v.aval) for v in eqn.outvars)
   if name == "conv_general_dilated":
