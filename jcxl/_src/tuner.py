@@ -50,7 +50,8 @@ class TunerOptions:
     check_every_max: each check that finds nothing doubles the interval,
       up to this (measuring costs the host a few ms a step).
     drift: how much slower than the settled plan's median step (over
-      its last checks) measured steps must run to trigger a re-plan.
+      its last checks) measured steps must run for the tuner to take it as
+      the host's new pace (a new baseline, the plan kept).
     confirm_every: once a check looks off, measure one step in this many
       to confirm it (a burst of load on a shared machine lasts a few
       steps; a drift lasts).
@@ -91,7 +92,8 @@ class TunerEvent:
   """One thing the tuner did, for its history."""
   step: int
   # plan, replan, holds, race, raced, settled, drift (a link slowed: it
-  # re-plans and races), slower (only the step slowed), frozen, budget
+  # re-plans, and races if the plan changed), slower (only the step
+  # slowed: a new baseline), frozen, budget
   what: str
   predicted_s: float | None
   measured_s: float | None
@@ -118,8 +120,7 @@ class Tuner:
     self._planned_for: dict[str, float] = {}  # tier -> bandwidth used
     self._window: list[StepProfile] = []
     self._state = "warmup"
-    # The settled plan's median step, over its last checks (`_recent`).
-    self._baseline_s: float | None = None
+    # The settled plan's step times: its baseline window, then its checks.
     self._recent: list[float] = []
     self._steps = 0
     self._since_check = 0
@@ -261,7 +262,6 @@ class Tuner:
         # Drift is judged median against median: a baseline that is the
         # fastest step seen makes the machine's noise look like drift.
         self._recent = (self._recent + [profile.step_s])[-_RECENT_CHECKS:]
-        self._baseline_s = statistics.median(self._recent)
         self._check_every = min(2 * self._check_every,
                                 max(self.options.check_every,
                                     self.options.check_every_max))
@@ -281,7 +281,6 @@ class Tuner:
     if self._state == "baseline":
       # What drift is judged against: the kept plan, run on its own (a
       # race's steps, each after another plan's, run slower).
-      self._baseline_s = measured
       self._recent = [p.step_s for p in self._window]
       self._planned_for.update(_median_bandwidths(self._window))
       self._planned_step = None
@@ -433,9 +432,14 @@ class Tuner:
     self._switch(schedule)
     self._window = []
     self._state = "baseline"
-    self._baseline_s = None
+    self._recent = []
     self._since_check = 0
     self._check_every = self.options.check_every
+
+  @property
+  def _baseline_s(self) -> float | None:
+    """The settled plan's median step over its last checks."""
+    return statistics.median(self._recent) if self._recent else None
 
   def _switch(self, schedule: LayerSchedule) -> None:
     self.schedule = schedule
