@@ -328,7 +328,7 @@ def run_slowdown(case: Case, bandwidth: float, config: Config) -> dict:
     seen = len(step.tuner.history)
     replanned_after = None
     # A settled plan is checked up to 32 steps apart; a drift is then
-    # confirmed, re-planned and raced like a fresh start.
+    # confirmed and re-planned (and raced again if the plan changed).
     for n in range(1, 2 * config.tune_steps + 1):
       *state, _ = step(*state, case.batch)
       events = [e.what for e in step.tuner.history[seen:]]
