@@ -270,7 +270,7 @@ class DapStepTest:
     step = jcxl.cxl_offload(make_step(loss_fn, tx), schedule="dap")
     step.tuner.options = tuner_lib.TunerOptions(check_every=2,
                                                 confirm_every=2)
-    for _ in range(60):  # warm up, measure, re-plan, measure, race
+    for _ in range(150):  # warm up, measure, re-plan, measure, race
       p, s, _ = step(p, s, x)
       if step.tuner.converged:
         break
@@ -300,15 +300,17 @@ class DapStepTest:
 
 def race(tuner, step_time):
   """Feeds the tuner's race step times (`step_time(schedule)`, or a dict)
-  until it settles; returns the schedules it ran, in order."""
+  until it settles, measuring the steps it asks for; returns the schedules
+  it ran, in order."""
   time_of = step_time if callable(step_time) else step_time.__getitem__
   ran = []
   while not tuner.converged:
-    assert tuner.wants_measurement()
+    measure = tuner.wants_measurement()
     ran.append(tuner.schedule)
     got = time_of(tuner.schedule)  # a step time, or a whole profile
-    tuner.step_done(got if isinstance(got, profile_lib.StepProfile)
-                    else profile_of(got))
+    if not isinstance(got, profile_lib.StepProfile):
+      got = profile_of(got)
+    tuner.step_done(got if measure else None)
   return ran
 
 
@@ -372,7 +374,8 @@ class TunerTest:
     start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1),
                                           name="dap")
     options = tuner_lib.TunerOptions(warmup_steps=0, measure_steps=1,
-                                     explore=(1, 2, 3), race_rounds=3)
+                                     explore=(1, 2, 3), race_rounds=3,
+                                     race_block=1)
     tuner = tuner_lib.Tuner(start, None, options)
     tuner.resolve(segments, LINK)
     # The model's plan holds: it races uniform 2 and 3 (1 is the model's
@@ -400,6 +403,44 @@ class TunerTest:
     # prediction for the kept plan is that plan's median.
     assert tuner.predict(dict(tuner.schedule.prefetch)).step_s == (
         pytest.approx(0.25))
+
+  def test_race_runs_each_candidate_back_to_back_and_times_the_last(self):
+    # On this host a step right after another plan's runs slower, and by
+    # more for the plan that is fastest back to back: one step a turn would
+    # keep the wrong plan.
+    segments = [seg(n, MiB, 0.05) for n in "abcd"]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1),
+                                          name="dap")
+    options = tuner_lib.TunerOptions(warmup_steps=0, measure_steps=1,
+                                     explore=(1, 2), race_rounds=3,
+                                     race_max_rounds=3, race_block=3)
+    tuner = tuner_lib.Tuner(start, None, options)
+    tuner.resolve(segments, LINK)
+    assert tuner.step_done(profile_of(0.30))
+    distance = lambda s: max(dict(s.prefetch).values())
+    back_to_back = {1: 0.30, 2: 0.27}
+    after_a_switch = {1: 0.31, 2: 0.36}
+    ran, measured, last = [], [], None
+    while not tuner.converged:
+      k = distance(tuner.schedule)
+      measured.append(tuner.wants_measurement())
+      ran.append(k)
+      step_s = back_to_back[k] if k == last else after_a_switch[k]
+      tuner.step_done(profile_of(step_s) if measured[-1] else None)
+      last = k
+    # A warm-up round of one step each, then 3 rounds of 3 steps each,
+    # then the kept plan's baseline step.
+    turns = [ran[:1], ran[1:2]] + [ran[i:i + 3] for i in range(2, 20, 3)]
+    assert all(len(set(t)) == 1 for t in turns) and len(ran) == 21
+    assert sorted(t[0] for t in turns[2:]) == [1, 1, 1, 2, 2, 2]
+    # Only each measured turn's last step is measured (and the baseline's).
+    assert [i for i, m in enumerate(measured) if m] == [
+        4, 7, 10, 13, 16, 19, 20]
+    assert distance(tuner.schedule) == 2
+    raced = [e for e in tuner.history if e.what == "raced"][0]
+    assert raced.measured_s == pytest.approx(0.27)
+    assert "3 steps each back to back" in [
+        e for e in tuner.history if e.what == "race"][0].detail
 
   def test_kept_plan_teaches_the_model_how_it_computes(self):
     # On a device that shares the host's cores with the copies, compute
@@ -436,7 +477,7 @@ class TunerTest:
                                           name="dap")
     options = tuner_lib.TunerOptions(
         warmup_steps=0, measure_steps=1, explore=(1, 2, 3), race_rounds=3,
-        race_close=0.05, race_max_rounds=8)
+        race_close=0.05, race_max_rounds=8, race_block=1)
     tuner = tuner_lib.Tuner(start, None, options)
     tuner.resolve(segments, LINK)
     assert tuner.step_done(profile_of(0.30))
