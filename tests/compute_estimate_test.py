@@ -88,3 +88,46 @@ def test_a_large_product_is_timed_on_a_slice(monkeypatch):
       (64, 64), (64, 64), a.dtype, b.dtype, (((1,), (0,)), ((), ())),
       np.dtype(np.float32))
   assert estimated == pytest.approx(4 * sliced)
+
+
+def test_costly_elementwise_work_is_charged_its_time_beyond_its_elements(
+    monkeypatch):
+  timed = []
+
+  def time_eqn(eqn):  # as if the device took 5 ms for it
+    timed.append(eqn.primitive.name)
+    return 5e-3
+  monkeypatch.setattr(compute_estimate, "_time_eqn", time_eqn)
+  compute_estimate._eqn_seconds.clear()
+  # The same elements read and written: a scale costs them alone, an exp
+  # is timed and costs what the device took.
+  (scaled,) = estimate(lambda x: x * 2.0, X)
+  (exp,) = estimate(jnp.exp, X)
+  _, rate = compute_estimate.device_rates()
+  assert scaled == pytest.approx(X.size / rate)
+  assert exp == pytest.approx(max(5e-3, X.size / rate))
+  assert timed == ["exp"]
+
+
+def test_a_reduction_is_timed_once_per_signature():
+  grid = np.ones((512, 512), np.float32)
+  column_sums = lambda x: jnp.sum(x, axis=0)
+  compute_estimate._eqn_seconds.clear()
+  (first,) = estimate(column_sums, grid)
+  assert len(compute_estimate._eqn_seconds) == 1
+  assert estimate(column_sums, grid) == [first]  # not timed again
+  assert len(compute_estimate._eqn_seconds) == 1
+  # It reads the grid and writes a row; its time beyond that is added.
+  _, rate = compute_estimate.device_rates()
+  moved = (grid.size + grid.shape[1]) / (2 * rate)
+  (timed,) = compute_estimate._eqn_seconds.values()
+  assert first == pytest.approx(moved + max(0.0, timed - moved))
+
+
+def test_an_equation_too_large_to_time_is_charged_its_elements(monkeypatch):
+  monkeypatch.setattr(compute_estimate, "_TIMED_ELEMENTS", 1000)
+  compute_estimate._eqn_seconds.clear()
+  (exp,) = estimate(jnp.exp, X)
+  _, rate = compute_estimate.device_rates()
+  assert exp == pytest.approx(X.size / rate)
+  assert not compute_estimate._eqn_seconds

@@ -442,6 +442,32 @@ class TunerTest:
     assert "3 steps each back to back" in [
         e for e in tuner.history if e.what == "race"][0].detail
 
+  def test_the_kept_plan_on_its_own_is_what_the_model_predicts(self):
+    # The kept plan raced at 0.25 s beside the others and runs 0.30 s on
+    # its own (the machine got busier, say): the prediction follows it.
+    segments = [seg(n, MiB, 0.05) for n in "abcd"]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1),
+                                          name="dap")
+    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=3, explore=(2,), race_block=1))
+    tuner.resolve(segments, LINK)
+    for _ in range(3):
+      tuner.step_done(profile_of(0.30))
+    assert tuner.history[-1].what == "race"
+    distance = lambda s: max(dict(s.prefetch).values())
+
+    def step_time(schedule):
+      if any(e.what == "raced" for e in tuner.history):
+        return 0.30  # the kept plan's baseline steps
+      return 0.25 if distance(schedule) == 2 else 0.35
+    race(tuner, step_time)
+    assert distance(tuner.schedule) == 2
+    assert [e for e in tuner.history if e.what == "raced"][0].measured_s == (
+        pytest.approx(0.25))
+    assert tuner.prediction.step_s == pytest.approx(0.30)
+    assert tuner.predict(dict(tuner.schedule.prefetch)).step_s == (
+        pytest.approx(0.30))
+
   def test_kept_plan_teaches_the_model_how_it_computes(self):
     # On a device that shares the host's cores with the copies, compute
     # runs slower under a plan that overlaps transfers with it: the model

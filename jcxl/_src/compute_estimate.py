@@ -9,15 +9,20 @@ product. Everything else is elementwise work that the compiler fuses into
 loops: a run of such equations costs the elements it reads from outside
 the run and writes out of it, at the measured rate of a loop that reads and
 writes one element each (counting every equation's output instead
-overestimated an optimizer update several-fold). Measurements are made once
-per process (a few ms each: a large product is timed on a slice of it);
-measured steps replace these estimates.
+overestimated an optimizer update several-fold). Reductions, gathers,
+scatters and transcendentals do more per element than a load and a store
+(a CPU reduces a column, scatters an embedding's gradient or takes an exp
+at a fraction of that rate): each is timed on the device once per
+signature, and what it takes beyond moving its elements is added.
+Measurements are made once per process (a few ms each: a large product is
+timed on a slice of it); measured steps replace these estimates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +32,8 @@ import jax
 import numpy as np
 
 from jcxl._src import jax_compat
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,6 +113,59 @@ def _size(aval) -> int:
   return math.prod(getattr(aval, "shape", ()))
 
 
+# Fused primitives that compute more per element than they move: each is
+# timed on the device (once per signature) for its time beyond that.
+_COSTLY = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+    "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+    "gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+    "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+    "scatter_max", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2",
+    "pow", "lgamma", "digamma"})
+# Larger equations are not timed (no extra charge): planning a large model
+# on a small host must not allocate its full-size tensors.
+_TIMED_ELEMENTS = 1 << 25
+_eqn_seconds: dict[Any, float] = {}  # by signature, measured
+
+
+def _extra_seconds(eqn) -> float:
+  """A costly equation's device time beyond moving its elements."""
+  if eqn.primitive.name not in _COSTLY:
+    return 0.0
+  literal = jax_compat.literal_type()
+  operands = [v.aval for v in eqn.invars if not isinstance(v, literal)]
+  moved = sum(map(_size, operands)) + sum(_size(v.aval) for v in eqn.outvars)
+  if not operands or moved > _TIMED_ELEMENTS:
+    return 0.0
+  key = (eqn.primitive.name,
+         tuple((tuple(a.shape), str(a.dtype)) for a in operands),
+         tuple(repr(v.val) if isinstance(v, literal) else None
+               for v in eqn.invars), repr(sorted(eqn.params.items())))
+  if key not in _eqn_seconds:
+    try:
+      _eqn_seconds[key] = _time_eqn(eqn)
+    except Exception as e:  # pylint: disable=broad-except
+      # An estimate, replaced by measured steps: not worth failing a plan.
+      logger.debug("not timed: %s (%s)", eqn.primitive.name, e)
+      _eqn_seconds[key] = 0.0
+  _, elementwise_rate = device_rates()
+  return max(0.0, _eqn_seconds[key] - moved / (2 * elementwise_rate))
+
+
+def _time_eqn(eqn) -> float:
+  """One equation's device time, on zeros (indices in bounds)."""
+  literal = jax_compat.literal_type()
+  operands = [np.zeros(v.aval.shape, v.aval.dtype) for v in eqn.invars
+              if not isinstance(v, literal)]
+
+  def run(*values):
+    it = iter(values)
+    return jax_compat.bind(eqn, [v.val if isinstance(v, literal)
+                                 else next(it) for v in eqn.invars])
+  return _best_seconds(jax.jit(run).lower(*operands).compile(), *operands)
+
+
 def eqn_seconds(eqn) -> float:
   """Estimated device time of one equation, nested bodies included (a
   scan's body once per iteration, a cond's costliest branch)."""
@@ -128,7 +188,7 @@ def eqn_seconds(eqn) -> float:
   if sub is not None:
     times = eqn.params.get("length", 1) if name == "scan" else 1
     return jaxpr_seconds(sub[0]) * times
-  return out / elementwise_rate
+  return out / elementwise_rate + _extra_seconds(eqn)
 
 
 @dataclasses.dataclass
@@ -187,5 +247,6 @@ def node_seconds(nodes: Sequence[Any],
                   and resolve(atom) not in produced_by_fused)
       writes = sum(_size(key[1].aval) for key in n.outs
                    if read_by.get(key, True))
-      out.append((reads + writes) / (2 * elementwise_rate))
+      out.append((reads + writes) / (2 * elementwise_rate)
+                 + _extra_seconds(n.eqn))
   return out

@@ -289,9 +289,12 @@ class Tuner:
       return False
     measured = statistics.median(p.step_s for p in self._window)
     if self._state == "baseline":
-      # What drift is judged against: the kept plan, run on its own (a
-      # race's steps, each after another plan's, run slower).
+      # What drift is judged against, and what the model learns last: the
+      # kept plan run on its own, as it will run from now on (a race's
+      # steps ran beside other plans').
       self._recent = [p.step_s for p in self._window]
+      self._learn(self._window, self.schedule, measured)
+      self.prediction = self.predict(dict(self.schedule.prefetch))
       self._planned_for.update(_median_bandwidths(self._window))
       self._planned_step = None
       self._state, self._window = "steady", []
