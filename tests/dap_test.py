@@ -275,9 +275,13 @@ class DapStepTest:
       if step.tuner.converged:
         break
     assert step.tuner.converged
-    # The plan shown is the one settled on (not the race's last one).
+    # The plan shown is the one settled on (not the race's last one),
+    # with what the tuner predicts for it and why it was kept, as learned
+    # after it compiled.
     assert all(l.prefetch == step.tuner.schedule.prefetch_for(l.name)
                for l in step.plan.layers)
+    assert step.plan.predicted_step_s == step.tuner.prediction.step_s
+    assert step.plan.reasons == step.tuner.reasons
     fast = step.tuner.links["cxl"].bandwidth
     seen = len(step.tuner.history)
     pool.set_link("cxl", jcxl.LinkModel("10MB/s", 5e-6))
@@ -363,6 +367,10 @@ class TunerTest:
     ran = race(tuner, {start: 0.09, deeper: 0.2})
     assert set(ran) == {start, deeper}
     assert tuner.schedule == start and tuner.version == 0
+    # The model's reasons were for the plan that lost: only the race's
+    # verdict explains the one kept.
+    assert len(tuner.reasons) == 1 and tuner.reasons[0].startswith("raced")
+    assert tuner.reasons[0].endswith("keeping every layer 0 ahead")
     # It settles after measuring the kept plan on its own: the baseline
     # that drift is judged against.
     assert [e.what for e in tuner.history[-2:]] == ["raced", "settled"]
@@ -627,6 +635,15 @@ class TunerTest:
     assert [e.what for e in tuner.history[events:]] == [
         "drift", "holds", "settled"]
     assert dict(tuner.schedule.prefetch) == dict.fromkeys("abcd", 1)
+    # Its reasons stay the kept plan's (the race's verdict), and say the
+    # re-plan kept it, once however often it does.
+    assert tuner.reasons[0].startswith("raced")
+    assert "keeping" in tuner.reasons[0]
+    assert tuner.reasons[1].startswith("re-planned on what was measured:")
+    for _ in range(6):  # slower again: drift, holds once more
+      tuner.step_done(at(0.005, step_s=0.4))
+    assert [e.what for e in tuner.history[events:]].count("holds") == 2
+    assert len(tuner.reasons) == 2
 
   def test_checks_grow_sparser_while_nothing_changes(self):
     tuner = settled_tuner(profile_of(0.1), check_every=2, check_every_max=8)

@@ -345,7 +345,7 @@ class OffloadedStep:
     self._first_device: dict[int, str] = {}  # the same, one device's
     self._segments: list[costmodel.Segment] = []
     self._moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
-    self.plan: schedule_lib.Plan | None = None
+    self._plan: schedule_lib.Plan | None = None
     self.last_profile: profile_lib.StepProfile | None = None
     self.compiles = 0
     self._last_results: Any = None
@@ -528,8 +528,22 @@ class OffloadedStep:
           segments, {l.name: l.prefetch for l in rows}, links,
           {l.name: l.chunk_bytes for l in rows})
       reasons = ()
-    self.plan = schedule_lib.Plan(tuple(rows), str(self._schedule),
-                                  prediction.step_s, reasons)
+    self._plan = schedule_lib.Plan(tuple(rows), str(self._schedule),
+                                   prediction.step_s, reasons)
+
+  @property
+  def plan(self) -> schedule_lib.Plan | None:
+    """The per-layer plan the next step runs (None before the first
+    compile). Under DAP its predicted step and reasons are the tuner's as
+    they stand now: a race or a baseline learns after the plan compiled."""
+    plan, tuner = self._plan, self.tuner
+    if plan is None or tuner is None or tuner.prediction is None or any(
+        (l.prefetch, l.chunk_bytes) != (tuner.schedule.prefetch_for(l.name),
+                                       tuner.schedule.chunk_for(l.name))
+        for l in plan.layers):
+      return plan  # the tuner has moved on to a plan not compiled yet
+    return dataclasses.replace(plan, predicted_step_s=tuner.prediction.step_s,
+                               reasons=tuner.reasons)
 
   def _signature(self, args: tuple[Any, ...]) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
@@ -571,7 +585,7 @@ class OffloadedStep:
     sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
     sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
                else None for i in sources]
-    return compiled, prep.out_tree, sources, self.plan
+    return compiled, prep.out_tree, sources, self._plan
 
   def _cache_key(self, args: tuple[Any, ...]) -> Any:
     return self._signature(args), self.tuner.version if self.tuner else 0
@@ -598,7 +612,7 @@ class OffloadedStep:
 
   def __call__(self, *args):
     args = self._place_inputs(args)
-    compiled, out_tree, sources, self.plan = self._entry(args)
+    compiled, out_tree, sources, self._plan = self._entry(args)
     measure = self.tuner is not None and self.tuner.wants_measurement()
     if measure:
       jax.block_until_ready(self._last_results)
@@ -618,7 +632,7 @@ class OffloadedStep:
       entry = (self._compiled.get(self._cache_key(args))
                if self.tuner.version != version else None)
       if entry is not None:
-        self.plan = entry[3]
+        self._plan = entry[3]
     results = iter(self._last_results)
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     return jax.tree_util.tree_unflatten(

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Checks of a settled plan whose median is the baseline drift is judged by.
 _RECENT_CHECKS = 9
+# Starts the reason a re-plan gives for keeping the plan it has.
+_KEPT = "re-planned on what was measured:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +193,17 @@ class Tuner:
       current = self.predict(dict(self.schedule.prefetch))
       if choice.prediction.step_s > current.step_s * (
           1 - self.options.min_gain):
+        # The reasons stay the kept plan's, with why the other was not
+        # taken (its own reasons explain a plan that does not run).
+        kept = (f"{_KEPT} the model plans this one again "
+                f"({current.step_s * 1e3:.2f} ms)" if schedule == self.schedule
+                else f"{_KEPT} the model's best plan now "
+                f"({choice.prediction.step_s * 1e3:.2f} ms) saves less than "
+                f"{self.options.min_gain:.0%} of this one's "
+                f"{current.step_s * 1e3:.2f} ms; kept")
         schedule, choice = self.schedule, dataclasses.replace(
-            choice, prediction=current)
+            choice, prediction=current, reasons=tuple(
+                r for r in self.reasons if not r.startswith(_KEPT)) + (kept,))
     changed = schedule != self.schedule
     if changed and self.schedule is not None:
       # Re-plans into the budget are not limited (each has less prefetch
@@ -441,8 +452,10 @@ class Tuner:
         f"{_describe(c, base)} {t * 1e3:.2f} ms ({_split(self._race[c])})"
         for c, t in medians.items()) + f"; keeping {_describe(best, base)}")
     self._event("raced", medians[best], verdict)
-    self.reasons = tuple(r for r in self.reasons
-                         if not r.startswith("raced")) + (verdict,)
+    # The planner's reasons explain the model's plan: only where it is
+    # kept do they explain the plan that runs.
+    self.reasons = (tuple(r for r in self.reasons if not r.startswith("raced"))
+                    if best == base else ()) + (verdict,)
     # The race's steps (interleaved, compiled steps warmed up) say more
     # than the window measured right after a recompile, and the kept
     # plan's own steps say how it computes: where the device shares the
