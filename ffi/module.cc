@@ -358,6 +358,16 @@ NB_MODULE(_jcxl, m) {
     return out;
   });
 
+  m.def("drain_wait_totals", []() {
+    nb::dict out;
+    for (const auto& [handle, t] : DrainWaitTotals()) {
+      out[nb::int_(handle)] = nb::make_tuple(t.bytes_to_pool, t.bytes_from_pool,
+                                             t.wait_ns, t.transfers);
+    }
+    return out;
+  }, "Per object handle: (bytes to the pool, bytes from it, ns waited, "
+     "transfers) of the waits since the last call.");
+
   // XLA FFI targets, registered for the CPU platform by jcxl/__init__.py.
   m.def("registrations", []() {
     nb::dict targets;

@@ -91,6 +91,10 @@ std::vector<StreamWait>& Waits() {
   static auto* waits = new std::vector<StreamWait>();
   return *waits;
 }
+std::unordered_map<int32_t, WaitTotals>& Totals() {
+  static auto* totals = new std::unordered_map<int32_t, WaitTotals>();
+  return *totals;
+}
 
 void LogWait(const std::shared_ptr<Ticket>& ticket, int64_t started,
              int64_t ended) {
@@ -99,6 +103,12 @@ void LogWait(const std::shared_ptr<Ticket>& ticket, int64_t started,
   wait.wait_started_ns = started;
   wait.wait_ns = ended - started;
   std::lock_guard<std::mutex> lock(g_waits_mu);
+  WaitTotals& totals = Totals()[wait.record.handle];
+  (wait.record.direction == Direction::kToPool ? totals.bytes_to_pool
+                                               : totals.bytes_from_pool) +=
+      wait.record.bytes;
+  totals.wait_ns += wait.wait_ns;
+  ++totals.transfers;
   if (Waits().size() < kMaxWaits) Waits().push_back(wait);
 }
 
@@ -209,6 +219,13 @@ std::vector<StreamWait> DrainStreamWaits() {
   std::lock_guard<std::mutex> lock(g_waits_mu);
   std::vector<StreamWait> out;
   out.swap(Waits());
+  return out;
+}
+
+std::unordered_map<int32_t, WaitTotals> DrainWaitTotals() {
+  std::lock_guard<std::mutex> lock(g_waits_mu);
+  std::unordered_map<int32_t, WaitTotals> out;
+  out.swap(Totals());
   return out;
 }
 

@@ -18,6 +18,7 @@
 #define JCXL_FFI_STREAM_HANDLERS_H_
 
 #include <cstdint>
+#include <unordered_map>
 #include <vector>
 
 #include "copy_engine.h"
@@ -34,6 +35,18 @@ struct StreamWait {
 
 // The `done` waits since the last call (bounded history), oldest first.
 std::vector<StreamWait> DrainStreamWaits();
+
+// What one pool object's waited-for transfers add up to. Kept for every
+// wait, however many: the history of single waits above is bounded.
+struct WaitTotals {
+  uint64_t bytes_to_pool = 0;
+  uint64_t bytes_from_pool = 0;
+  int64_t wait_ns = 0;
+  uint64_t transfers = 0;
+};
+
+// Per object handle, the totals since the last call.
+std::unordered_map<int32_t, WaitTotals> DrainWaitTotals();
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFetchStartInto);

@@ -186,7 +186,7 @@ class CompiledStepTest:
     step = cxl_offload(make_step(loss_fn, tx), schedule="fixed:2")
     p = jcxl.place(params, "cxl", pool=pool)
     s = jcxl.place(tx.init(params), "cxl", pool=pool)
-    jcxl._jcxl.drain_stream_waits()
+    jcxl._jcxl.drain_wait_totals()
     step(p, s, np.ones((BATCH, DIM), np.float32))
     names = [layer.name for layer in step.plan.layers]
     assert names[:3] == ["['layer0']", "['layer1']", "['layer2']"]
@@ -198,6 +198,28 @@ class CompiledStepTest:
     assert report["['layer0']"].bytes_fetched >= 2 * layer0.nbytes
     assert report["['layer0']"].bytes_stored == layer0.nbytes
     assert report["['layer0']"].wait_s >= 0
+
+  def test_report_counts_every_transfer_however_many(self, pool):
+    # More waits between two reports than the history of single waits
+    # holds (65536): the totals still count every one of them.
+    params, loss_fn = scanned_model(layers=2048)
+    tx = optax.sgd(0.1)
+    step = cxl_offload(make_step(loss_fn, tx))
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    x = np.ones((BATCH, DIM), np.float32)
+    p, s, _ = step(p, s, x)
+    one = {r.name: r for r in step.report()}
+    blocks = one["['blocks']"]
+    steps = 70_000 // blocks.transfers + 1
+    assert blocks.transfers >= 2048 and steps * blocks.transfers > 65536
+    for _ in range(steps):
+      p, s, _ = step(p, s, x)
+    many = {r.name: r for r in step.report()}
+    for name, r in one.items():
+      assert many[name].transfers == steps * r.transfers
+      assert many[name].bytes_fetched == steps * r.bytes_fetched
+      assert many[name].bytes_stored == steps * r.bytes_stored
 
   def test_budget_too_small(self, pool):
     params, loss_fn = unrolled_model()

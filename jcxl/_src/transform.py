@@ -344,7 +344,6 @@ class OffloadedStep:
     self._groups: dict[int, str] = {}   # handle -> layer name
     self._first_device: dict[int, str] = {}  # the same, one device's
     self._segments: list[costmodel.Segment] = []
-    self._moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
     self._plan: schedule_lib.Plan | None = None
     self.last_profile: profile_lib.StepProfile | None = None
     self.compiles = 0
@@ -666,37 +665,33 @@ class OffloadedStep:
     return compiled.memory_analysis()
 
   def _collect(self, keep: bool = True) -> list[profile_lib.Wait]:
-    """Drains the logged waits and adds them to the report totals; returns
-    them (`keep`) for a step's profile.
-
-    Totals are added from the raw records: the steps between two measured
-    ones leave thousands, and a record object each would make measuring
-    cost a few percent of the step.
-    """
+    """Drains the logged waits; returns them (`keep`) for a step's
+    profile. (The report's totals are kept apart, in the copy engine: this
+    history of single waits is bounded.)"""
     raw = _jcxl.drain_stream_waits()
-    groups, first_device = self._groups, self._first_device
-    for (_, handle, _, _, direction, nbytes, *_), _, wait_ns in raw:
-      name = groups.get(handle)
-      if name is None:
-        continue
-      entry = self._moved[name]
-      entry[1 if direction == 0 else 0] += nbytes  # 0: into the pool
-      if handle in first_device:
-        # Each device waits for its own shard at the same time: the step
-        # waited what one device did, not the sum.
-        entry[2] += wait_ns * 1e-9
-      entry[3] += 1
     return profile_lib.waits_from_raw(raw) if keep else []
 
   def report(self) -> list[LayerReport]:
-    """Per layer: bytes moved and time the step waited, since last call.
+    """Per layer: bytes moved and time waited, since the last report of
+    any step (the copy engine keeps one set of totals per object).
 
     Waits for the steps already dispatched to finish first.
     """
     jax.block_until_ready(self._last_results)
-    self._collect(keep=False)
-    moved, self._moved = self._moved, collections.defaultdict(
-        lambda: [0, 0, 0.0, 0])
+    moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
+    for handle, (to_pool, from_pool, wait_ns, transfers) in (
+        _jcxl.drain_wait_totals().items()):
+      name = self._groups.get(handle)
+      if name is None:
+        continue
+      entry = moved[name]
+      entry[0] += from_pool
+      entry[1] += to_pool
+      if handle in self._first_device:
+        # Each device waits for its own shard at the same time: the step
+        # waited what one device did, not the sum.
+        entry[2] += wait_ns * 1e-9
+      entry[3] += transfers
     return [LayerReport(name, *moved[name]) for name in
             (l.name for l in (self.plan.layers if self.plan else ()))
             if name in moved]
