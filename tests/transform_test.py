@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from experiments import cluster
 import jax
 import jax.numpy as jnp
@@ -160,6 +162,25 @@ class CompiledStepTest:
     assert text.count("jcxl_fetch_start") >= 4
     assert "jcxl_store_start" in text
     assert "stablehlo.while" in text  # long scans stay loops
+
+  def test_fetches_wait_on_a_scalar_not_the_activation(self, pool):
+    # A whole activation as the "not before" operand of a fetch would live
+    # until the fetch runs: on XLA:CPU that cost a prefetching step a
+    # quarter of its time and a sync step 8 MiB (experiments/dap's one_big).
+    params, loss_fn = unrolled_model()
+    tx = optax.sgd(0.1)
+    step = cxl_offload(make_step(loss_fn, tx), schedule="fixed:1")
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    text = step.compile(p, s, np.ones((BATCH, DIM), np.float32)).as_text()
+    deps = {}
+    for target, operands in re.findall(
+        r'custom_call_target="(jcxl_fetch_(?:start|done))", '
+        r'operand_layout_constraints=\{(.*?)\}, custom_call_has', text):
+      deps.setdefault(target, set()).add(
+          operands.split(", ")[-1].split("{")[0])  # the last, no layout
+    assert set(deps) == {"jcxl_fetch_start", "jcxl_fetch_done"}
+    assert all(d in ("f32[]", "s32[]") for ds in deps.values() for d in ds), deps
 
   def test_compiles_once(self, pool):
     params, loss_fn = unrolled_model()
