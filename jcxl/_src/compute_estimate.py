@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,13 +49,15 @@ def device_rates() -> tuple[float, float]:
   x = np.ones((1 << 22,), np.float32)
   matmul = jax.jit(lambda a: a @ a).lower(a).compile()
   elementwise = jax.jit(lambda x: x * 1.5 + 0.5).lower(x).compile()
-  return 2 * n**3 / _best_seconds(matmul, a), x.size / _best_seconds(
+  return 2 * n**3 / _typical_seconds(matmul, a), x.size / _typical_seconds(
       elementwise, x)
 
 
-def _best_seconds(fn, *args, reps: int = 5) -> float:
-  """The fastest of a few runs after one that warms up; a run that takes
-  long is timed once (the noise is small beside it)."""
+def _typical_seconds(fn, *args, reps: int = 5) -> float:
+  """The median of a few runs after one that warms up (a step runs at the
+  device's usual speed, not its best: on a shared host the fastest of five
+  ran 10-20% under it); a run that takes long is timed once (the noise is
+  small beside it)."""
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
   first = time.perf_counter() - start
@@ -65,7 +68,7 @@ def _best_seconds(fn, *args, reps: int = 5) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
-  return min(times)
+  return statistics.median(times)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +79,7 @@ def _dot_seconds(lhs: tuple[int, ...], rhs: tuple[int, ...], lhs_dtype,
   b = np.ones(rhs, rhs_dtype)
   dot = jax.jit(lambda a, b: jax.lax.dot_general(
       a, b, dimension_numbers, preferred_element_type=out_dtype))
-  return _best_seconds(dot.lower(a, b).compile(), a, b)
+  return _typical_seconds(dot.lower(a, b).compile(), a, b)
 
 
 def _freeze(dimension_numbers):
@@ -163,7 +166,7 @@ def _time_eqn(eqn) -> float:
     it = iter(values)
     return jax_compat.bind(eqn, [v.val if isinstance(v, literal)
                                  else next(it) for v in eqn.invars])
-  return _best_seconds(jax.jit(run).lower(*operands).compile(), *operands)
+  return _typical_seconds(jax.jit(run).lower(*operands).compile(), *operands)
 
 
 def eqn_seconds(eqn) -> float:
