@@ -64,6 +64,16 @@ def make_step(loss_fn, tx):
   return train_step
 
 
+def sgd_step_in_cxl(pool, model, **offload):
+  """An offloaded sgd step of `model` ((params, loss_fn)) and its state,
+  placed in the cxl tier."""
+  params, loss_fn = model
+  tx = optax.sgd(0.1)
+  step = cxl_offload(make_step(loss_fn, tx), **offload)
+  return (step, jcxl.place(params, "cxl", pool=pool),
+          jcxl.place(tx.init(params), "cxl", pool=pool))
+
+
 def resident_and_placed(params, opt_state, devices, pool):
   """The state on the devices (FSDP over `devices`) and in the cxl tier."""
   if devices == 1:
@@ -153,11 +163,7 @@ class ScheduledOptimizerTest:
 class CompiledStepTest:
 
   def test_custom_calls_in_hlo_and_streamed_scan(self, pool):
-    params, loss_fn = scanned_model(layers=8)
-    tx = optax.sgd(0.1)
-    step = cxl_offload(make_step(loss_fn, tx))
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step, p, s = sgd_step_in_cxl(pool, scanned_model(layers=8))
     text = step.lower(p, s, np.ones((BATCH, DIM), np.float32)).as_text()
     assert text.count("jcxl_fetch_start") >= 4
     assert "jcxl_store_start" in text
@@ -167,11 +173,7 @@ class CompiledStepTest:
     # A whole activation as the "not before" operand of a fetch would live
     # until the fetch runs: on XLA:CPU that cost a prefetching step a
     # quarter of its time and a sync step 8 MiB (experiments/dap's one_big).
-    params, loss_fn = unrolled_model()
-    tx = optax.sgd(0.1)
-    step = cxl_offload(make_step(loss_fn, tx), schedule="fixed:1")
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step, p, s = sgd_step_in_cxl(pool, unrolled_model(), schedule="fixed:1")
     text = step.compile(p, s, np.ones((BATCH, DIM), np.float32)).as_text()
     deps = {}
     for target, operands in re.findall(
@@ -180,7 +182,8 @@ class CompiledStepTest:
       deps.setdefault(target, set()).add(
           operands.split(", ")[-1].split("{")[0])  # the last, no layout
     assert set(deps) == {"jcxl_fetch_start", "jcxl_fetch_done"}
-    assert all(d in ("f32[]", "s32[]") for ds in deps.values() for d in ds), deps
+    assert all(d in ("f32[]", "s32[]")
+               for ds in deps.values() for d in ds), deps
 
   def test_compiles_once(self, pool):
     params, loss_fn = unrolled_model()
@@ -202,11 +205,7 @@ class CompiledStepTest:
     assert len(traces) == n
 
   def test_plan_and_report(self, pool):
-    params, loss_fn = unrolled_model()
-    tx = optax.sgd(0.1)
-    step = cxl_offload(make_step(loss_fn, tx), schedule="fixed:2")
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step, p, s = sgd_step_in_cxl(pool, unrolled_model(), schedule="fixed:2")
     jcxl._jcxl.drain_wait_totals()
     step(p, s, np.ones((BATCH, DIM), np.float32))
     names = [layer.name for layer in step.plan.layers]
@@ -223,11 +222,7 @@ class CompiledStepTest:
   def test_report_counts_every_transfer_however_many(self, pool):
     # More waits between two reports than the history of single waits
     # holds (65536): the totals still count every one of them.
-    params, loss_fn = scanned_model(layers=2048)
-    tx = optax.sgd(0.1)
-    step = cxl_offload(make_step(loss_fn, tx))
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step, p, s = sgd_step_in_cxl(pool, scanned_model(layers=2048))
     x = np.ones((BATCH, DIM), np.float32)
     p, s, _ = step(p, s, x)
     one = {r.name: r for r in step.report()}
@@ -243,11 +238,8 @@ class CompiledStepTest:
       assert many[name].bytes_stored == steps * r.bytes_stored
 
   def test_budget_too_small(self, pool):
-    params, loss_fn = unrolled_model()
-    tx = optax.sgd(0.1)
-    step = cxl_offload(make_step(loss_fn, tx), device_budget="1KiB")
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    step, p, s = sgd_step_in_cxl(pool, unrolled_model(),
+                                 device_budget="1KiB")
     with pytest.raises(MemoryError, match=r"over by .*prefetch distance"):
       step(p, s, np.ones((BATCH, DIM), np.float32))
 
