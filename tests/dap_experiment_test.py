@@ -23,10 +23,10 @@ class DapExperimentTest:
   def test_small_run_writes_table_plots_and_slowdown(self, run_program,
                                                      tmp_path):
     out = tmp_path / "run"
-    results = run_program("--models=wide_narrow", "--bandwidths=4GB/s",
+    results = run_program("--models=one_big", "--bandwidths=4GB/s",
                           "--schedules=sync,fixed:1,dap", "--steps=2",
                           "--tune_steps=8", "--slowdown=2",
-                          "--tight_models=wide_narrow",
+                          "--tight_models=one_big",
                           "--tight_headroom=1MiB",
                           f"--run_dir={out}")
     rows = list(csv.DictReader(open(out / "results.csv")))
@@ -37,9 +37,9 @@ class DapExperimentTest:
                and float(r["offline_predicted_ms"]) > 0 for r in loose)
     assert all(r["within_budget"] == "True" for r in loose)
     assert all(len(r["round_ms"].split()) == 2 for r in loose)
-    # The tight budget: sync's need plus 1 MiB, less than one of the 2 MiB
-    # wide layers prefetched ahead. fixed:1 is over it and not run; DAP
-    # (and its plan) stay within it.
+    # The tight budget: sync's need plus 1 MiB, less than the 4 MiB block
+    # prefetched ahead. fixed:1 is over it and not run; DAP (and its plan)
+    # stay within it.
     tight = {r["schedule"]: r for r in rows if r not in loose}
     budget = float(tight["sync"]["budget_mib"]) * 2**20
     assert float(tight["sync"]["device_need"]) == budget - 2**20
@@ -51,14 +51,14 @@ class DapExperimentTest:
       assert float(tight[name]["step_ms"]) > 0
       assert float(tight[name]["device_need"]) <= budget
     summary = {c["case"]: c for c in results["summary"]}
-    paired = summary["wide_narrow @ 4 GB/s"]["dap_paired"]
+    paired = summary["one_big @ 4 GB/s"]["dap_paired"]
     rounds = {r["schedule"]: [float(t) for t in r["round_ms"].split()]
               for r in loose}
     assert paired["ratio"] == pytest.approx(max(
         np.median(np.array(rounds["dap"]) / rounds[name])
         for name in ("sync", "fixed:1")), rel=1e-3)
     assert paired["low"] <= paired["ratio"] <= paired["high"]
-    assert summary[f"wide_narrow @ 4 GB/s, budget {budget / 2**20:.1f} MiB"][
+    assert summary[f"one_big @ 4 GB/s, budget {budget / 2**20:.1f} MiB"][
         "fixed_over_budget"] == ["fixed:1"]
     for name in ("results.md", "step_time.png", "memory.png", "stall.png"):
       assert (out / name).stat().st_size > 0
