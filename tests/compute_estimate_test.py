@@ -1,5 +1,7 @@
 """The compute estimate the adaptive schedule starts from."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,3 +133,28 @@ def test_an_equation_too_large_to_time_is_charged_its_elements(monkeypatch):
   _, rate = compute_estimate.device_rates()
   assert exp == pytest.approx(X.size / rate)
   assert not compute_estimate._eqn_seconds
+
+
+def test_a_slow_first_run_is_not_taken_for_the_timing():
+  calls = []
+
+  def first_run_stalls():
+    calls.append(None)
+    if len(calls) == 1:  # a fresh process's first run of a product
+      time.sleep(0.3)
+    return jnp.zeros(())
+
+  assert compute_estimate._typical_seconds(first_run_stalls) < 0.1
+  assert len(calls) == 6  # the warm-up and five timed runs
+
+
+def test_a_long_run_is_timed_once_after_its_warm_up():
+  calls = []
+
+  def slow():
+    calls.append(None)
+    time.sleep(0.12)
+    return jnp.zeros(())
+
+  assert compute_estimate._typical_seconds(slow) >= 0.12
+  assert len(calls) == 2
