@@ -116,7 +116,7 @@ _WARMUP = flags.DEFINE_integer(
     "warmup", 4, "Untimed rounds first (compiles; DAP tunes through these "
     "and, until it converges, up to --tune_steps).", flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
-    "tune_steps", 70, "Most untimed rounds DAP may tune for.",
+    "tune_steps", 100, "Most untimed rounds DAP may tune for.",
     flag_values=FLAGS)
 _FIXED_PREFETCH = flags.DEFINE_integer(
     "fixed_prefetch", 1, "cxl_fixed's prefetch distance (layers).",

@@ -100,7 +100,7 @@ _BLOCK_STEPS = flags.DEFINE_integer(
     "between plans; 1 alternates them)",
     flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
-    "tune_steps", 140, "most untimed steps DAP may tune for (twice that to "
+    "tune_steps", 200, "most untimed steps DAP may tune for (twice that to "
     "re-plan after the link slows)", flag_values=FLAGS)
 _BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
                               flag_values=FLAGS)

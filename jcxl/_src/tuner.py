@@ -1,18 +1,18 @@
 """Dynamic Adaptive Pipelining: the online tuner behind ``schedule='dap'``.
 
-It starts from the cost model's plan (layer bytes, the tiers' links,
-compute estimated from the step's equations) within the device budget, then
-measures a few steps, re-plans from what it measured (each segment's
-compute, each tier's achieved bandwidth) and recompiles only when the plan
-changes, a bounded number of times. When the model's plan holds, it races
-it against a few uniform prefetch distances within the budget (compiled
-once each, run in turn, a few steps back to back each per round, the last
-one timed; the close ones for more rounds) and keeps whichever ran fastest:
-the model does not see everything (copies competing with compute for the
-host's cores, say), the device does; the model then learns from the kept
-plan's steps. Once settled, it measures one step every so often (less often
-while nothing changes); when a link slows from what the plan was made for,
-and the step with it (another job shares the link, say), and a few more
+It starts from the cost model's plan (layer bytes, the tiers' links, compute
+estimated from the step's equations) within the device budget, then measures
+a few steps, re-plans from what it measured (each segment's compute, each
+tier's achieved bandwidth) and recompiles only when the plan changes, a
+bounded number of times. When the model's plan holds, it races it against a
+few uniform prefetch distances within the budget (compiled once each, run in
+turn, a few steps back to back each per round, the last one timed; those not
+surely slower than the fastest for more rounds) and keeps whichever ran
+fastest: the model does not see everything (copies competing with compute
+for the host's cores, say), the device does; the model then learns from the
+kept plan's steps. Once settled, it measures one step every so often (less
+often while nothing changes); when a link slows from what the plan was made
+for, and the step with it (another job shares the link, say), and a few more
 measured steps, spaced out, confirm it, it re-plans, and races again if the
 plan changed. When only the step slows (the host got busier), every plan
 slows alike: it keeps the plan and measures a new baseline.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -75,8 +76,12 @@ class TunerOptions:
       on a host whose caches and buffers are warm for the plan that ran
       last, a step right after another plan's runs slower (by up to 20%
       measured on XLA:CPU), and not by the same for every plan.
-    race_close: after `race_rounds`, candidates whose median step is
-      within this fraction of the fastest's race on, the others leave;
+    race_alpha: after `race_rounds`, a candidate leaves the race once it
+      ran slower than the fastest (by median) in so many of their rounds
+      that chance would do so this often at most (a sign test: a step
+      that runs 40% slow, one in five or so on a shared host, moves it
+      by one round, where it would move a median over three rounds by
+      5-35%); the others race on,
     race_max_rounds: until one is left or this many rounds were measured
       (close candidates are told apart by more steps, not by luck).
   """
@@ -92,8 +97,8 @@ class TunerOptions:
   explore: tuple[int, ...] = (0, 1, 2, 3)
   race_rounds: int = 3
   race_block: int = 2
-  race_close: float = 0.05
-  race_max_rounds: int = 8
+  race_alpha: float = 0.125
+  race_max_rounds: int = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +359,7 @@ class Tuner:
   # `race_rounds` rounds after a round that warms each compiled plan up.
   # Interleaving puts the machine's changing load on every candidate
   # alike; each is judged by its median.
-  # Candidates within `race_close` of the fastest then race on (up to
+  # Candidates not yet surely slower than the fastest then race on (up to
   # `race_max_rounds`): the closer two plans, the more steps it takes to
   # tell them apart on a noisy machine.
 
@@ -429,16 +434,16 @@ class Tuner:
 
   def _contenders(self) -> list[LayerSchedule]:
     """The candidates that run the next round: all of them for the first
-    `race_rounds`, then those within `race_close` of the fastest median."""
+    `race_rounds`, then those not surely slower than the fastest median
+    (`_surely_slower`)."""
     if self._race_round < max(1, self.options.race_rounds):
       return list(self._race)
     medians = self._race_medians()
-    fastest = min(medians.values())
-    close = [c for c in self._race
-             if medians[c] <= fastest * (1 + self.options.race_close)]
-    for c in [c for c in self._race if c not in close]:
+    leader = min(medians, key=medians.get)
+    for c in [c for c in self._race if c != leader and _surely_slower(
+        self._race[c], self._race[leader], self.options.race_alpha)]:
       self._race_out[c] = self._race.pop(c)
-    return close
+    return list(self._race)
 
   def _end_race(self) -> bool:
     self._race.update(self._race_out)
@@ -586,6 +591,17 @@ def _median_bandwidths(profiles: Sequence[StepProfile]) -> dict[str, float]:
     for tier, bw in p.bandwidth_by_tier.items():
       seen.setdefault(tier, []).append(bw)
   return {tier: statistics.median(bws) for tier, bws in seen.items()}
+
+
+def _surely_slower(times: Sequence[StepProfile],
+                   fastest: Sequence[StepProfile], alpha: float) -> bool:
+  """Whether `times` ran slower than `fastest` in so many of the rounds
+  both ran (paired by round) that chance alone would do so at most
+  `alpha` of the time."""
+  pairs = list(zip(times, fastest))
+  slower = sum(a.step_s > b.step_s for a, b in pairs)
+  chance = sum(math.comb(len(pairs), k) for k in range(slower, len(pairs) + 1))
+  return bool(pairs) and chance / 2**len(pairs) <= alpha
 
 
 def _split(profiles: Sequence[StepProfile]) -> str:
