@@ -670,6 +670,21 @@ class TunerTest:
     assert [e.what for e in tuner.history[events:]].count("holds") == 2
     assert len(tuner.reasons) == 2
 
+  def test_checks_do_not_fall_in_step_with_a_periodic_loop(self):
+    # Two steps of this plan after another plan's, over and over (a
+    # benchmark's rounds, a train/eval loop): the first runs slower. Checks
+    # every 8 steps fell on it every time, and the tuner saw a drift.
+    tuner = settled_tuner(profile_of(0.1), check_every=8, check_every_max=8)
+    checked = []
+    for step in range(400):
+      if tuner.wants_measurement():
+        checked.append(step)
+        tuner.step_done(profile_of(0.1))
+      else:
+        tuner.step_done(None)
+    assert {step % 2 for step in checked} == {0, 1}
+    assert 40 <= len(checked) <= 60
+
   def test_checks_grow_sparser_while_nothing_changes(self):
     tuner = settled_tuner(profile_of(0.1), check_every=2, check_every_max=8)
     measured = []
@@ -677,7 +692,9 @@ class TunerTest:
       measured.append(tuner.wants_measurement())
       tuner.step_done(profile_of(0.1) if measured[-1] else None)
     gaps = np.diff(np.flatnonzero(measured))
-    assert list(gaps[:3]) == [4, 8, 8] and set(gaps[3:]) == {8}
+    # 2 doubled, then 8 at most, each give or take a quarter.
+    assert 3 <= gaps[0] <= 5 and all(6 <= g <= 10 for g in gaps[1:])
+    assert len(set(gaps[1:])) > 1
     # The step slowed, the plan settled again: it measures often again.
     events = len(tuner.history)
     while not (tuner.converged and len(tuner.history) > events):

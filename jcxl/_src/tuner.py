@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -139,6 +140,9 @@ class Tuner:
     self._steps = 0
     self._since_check = 0
     self._check_every = options.check_every
+    # Steps from the last check to the next, drawn once per wait.
+    self._spacing: int | None = None
+    self._rng = random.Random(0)
     # The plan's modelled step on the links it was made for, by plan.
     self._planned_step: tuple[LayerSchedule, float] | None = None
     # Per plan tried: its compile-cache version and the step time measured
@@ -265,11 +269,12 @@ class Tuner:
     if self._state == "warmup":
       return self._steps >= self.options.warmup_steps
     if self._state == "steady":
-      return self._since_check + 1 >= self._check_every
+      return self._since_check + 1 >= self._spaced(self._check_every)
     if self._state == "race":  # the last step of a measured turn
       return self._race_left == 1 and self._race_round > 0
     if self._state == "confirm":
-      return self._since_check + 1 >= self.options.confirm_every
+      return self._since_check + 1 >= self._spaced(
+          self.options.confirm_every)
     return True
 
   def step_done(self, profile: StepProfile | None) -> bool:
@@ -284,8 +289,8 @@ class Tuner:
     if profile is None:
       self._since_check += 1
       return False
+    self._since_check, self._spacing = 0, None
     if self._state == "steady":
-      self._since_check = 0
       if self._drifted([profile]) is None:
         # Drift is judged median against median: a baseline that is the
         # fastest step seen makes the machine's noise look like drift.
@@ -299,7 +304,6 @@ class Tuner:
       # noise).
       self._state, self._window = "confirm", [profile]
       return False
-    self._since_check = 0
     self._window.append(profile)
     if len(self._window) < self.options.measure_steps:
       return False
@@ -478,8 +482,20 @@ class Tuner:
     self._window = []
     self._state = "baseline"
     self._recent = []
-    self._since_check = 0
+    self._since_check, self._spacing = 0, None
     self._check_every = self.options.check_every
+
+  def _spaced(self, interval: int) -> int:
+    """Steps from the last check to the next: `interval`, give or take a
+    quarter, drawn once per wait. At a fixed period a check can fall on
+    the same step of a periodic loop every time: where two steps of this
+    plan follow another plan's (a benchmark's rounds, a train/eval loop),
+    on the first, which runs up to 40% slower, and the tuner saw a drift
+    that was not there."""
+    if self._spacing is None:
+      self._spacing = interval + self._rng.randint(-(interval // 4),
+                                                   interval // 4)
+    return self._spacing
 
   @property
   def _baseline_s(self) -> float | None:
