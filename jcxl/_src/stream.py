@@ -460,11 +460,24 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
 
   ring = [fetch_layer(order[j], None, j) for j in range(k)] + [empty_slot()]
   take_x = lambda i: jax.tree_util.tree_map(lambda a: a[i], xs)
+  # Each layer's ys go straight into one stack per leaf, at the layer's
+  # index, carried through the loop and updated in place: stacking the
+  # loop's and the unrolled layers' ys, joining and reversing them held
+  # up to three copies of the stack at once (a backward pass's ys are its
+  # stacked weight gradients: 27 layers' worth more than at prefetch 0).
+  y_shapes = jax.eval_shape(lambda c, w, x: body(c, w, x)[1], carry, ring[0],
+                            take_x(order[0]))
+  ys = jax.tree_util.tree_map(
+      lambda y: jnp.zeros((length,) + y.shape, y.dtype), y_shapes)
+
+  def put(ys, y, i):
+    return jax.tree_util.tree_map(
+        lambda stack, v: jax.lax.dynamic_update_index_in_dim(stack, v, i, 0),
+        ys, y)
 
   def ring_body(state, base):
-    c, ring = state
+    c, ring, ys = state
     ring = list(ring)
-    ys = []
     for t in range(ring_size):
       t_layer = base + t  # position in iteration order
       i = jnp.where(reverse, length - 1 - t_layer, t_layer)
@@ -473,23 +486,17 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
       pending = fetch_into(nxt, c, ring[free])
       c, y = body(order_after(c, pending), ring[t], take_x(i))
       ring[free] = _tree_fetch_done(pending, after=c)
-      ys.append(y)
+      ys = put(ys, y, i)
     # k + 1 layers ran: one full turn, so slot 0 holds the next layer.
-    return (c, tuple(ring)), ys
+    return (c, tuple(ring), ys), None
 
-  ys_parts = []
   if super_steps:
-    (carry, ring), ys_ring = jax.lax.scan(
-        ring_body, (carry, tuple(ring)),
+    (carry, ring, ys), _ = jax.lax.scan(
+        ring_body, (carry, tuple(ring), ys),
         jnp.arange(super_steps, dtype=jnp.int32) * ring_size)
-    # ys_ring: a list of ring_size stacks of [super_steps, ...] -> layer order
-    ys_parts.append(jax.tree_util.tree_map(
-        lambda *ys: jnp.stack(ys, axis=1).reshape((-1,) + ys[0].shape[1:]),
-        *ys_ring))
   # The rest: layers n_ring .. length-1 in iteration order, k of them already
   # in the ring's first k slots; the others fetched one layer ahead of use.
   queue = list(ring[:k])
-  rest_ys = []
   for t in range(n_ring, length):
     ahead = t + k
     pending = (_tree_fetch_start(weights, order[ahead], carry, 0, chunk_bytes)
@@ -497,17 +504,9 @@ def streamed_scan(body, carry: Any, weights: Any, xs: Any = None, *,
     w = queue.pop(0)
     carry, y = body(carry if pending is None else order_after(carry, pending),
                     w, take_x(order[t]))
-    rest_ys.append(y)
+    ys = put(ys, y, order[t])
     if pending is not None:
       queue.append(_tree_fetch_done(pending, after=carry))
-  if rest_ys:
-    ys_parts.append(jax.tree_util.tree_map(lambda *ys: jnp.stack(ys),
-                                           *rest_ys))
-  # ys in iteration order; lax.scan returns them in layer order.
-  ys = jax.tree_util.tree_map(lambda *parts: jnp.concatenate(parts),
-                              *ys_parts)
-  if reverse:
-    ys = jax.tree_util.tree_map(lambda a: a[::-1], ys)
   return carry, ys
 
 

@@ -192,17 +192,20 @@ class _Interpreter:
         x = {str(j): a[index] for j, a in enumerate(inputs)}
       values = evaluate_slice(loop, self.program, scalars, w, x,
                               rows=rows or loop.rows)
-      for key, target in targets.items():
-        store(target, values[key], index)
+      tokens = [store(target, values[key], index)
+                for key, target in targets.items()]
+      return sum((t.reshape(-1)[0] for t in tokens), jax.numpy.int32(0))
 
     weights = {str(j): self.env[k] for j, k in enumerate(loop.pool_keys)}
     if loop.rows:
       weights, targets = views()
     def body(c, w, index):
-      run_slice(w, index)
-      return c, None
+      # The carry is the slice's stores: the next fetches wait for them
+      # (nothing else orders the unrolled layers past the loop's, and XLA
+      # ran their fetches and updates all ahead of their stores).
+      return run_slice(w, index), None
 
-    streamed_scan(body, (), weights,
+    streamed_scan(body, jax.numpy.int32(0), weights,
                   jax.numpy.arange(loop.length, dtype=jax.numpy.int32),
                   length=loop.length,
                   prefetch=self.schedule.prefetch_for(group),
