@@ -58,6 +58,17 @@ class DapExperimentTest:
         np.median(np.array(rounds["dap"]) / rounds[name])
         for name in ("sync", "fixed:1")), rel=1e-3)
     assert paired["low"] <= paired["ratio"] <= paired["high"]
+    # Against the fixed distance with the lowest median alone, and DAP
+    # against its own plan: paired the same way.
+    medians = {name: np.median(rounds[name]) for name in ("sync", "fixed:1")}
+    best = min(medians, key=medians.get)
+    against_best = summary["one_big @ 4 GB/s"]["dap_paired_best"]
+    assert against_best["against"] == best
+    assert against_best["ratio"] == pytest.approx(
+        np.median(np.array(rounds["dap"]) / rounds[best]), rel=1e-3)
+    itself = summary["one_big @ 4 GB/s"]["dap_over_unmeasured"]
+    assert itself["ratio"] == pytest.approx(np.median(
+        np.array(rounds["dap"]) / rounds[dap.UNMEASURED]), rel=1e-3)
     assert summary[f"one_big @ 4 GB/s, budget {budget / 2**20:.1f} MiB"][
         "fixed_over_budget"] == ["fixed:1"]
     for name in ("results.md", "step_time.png", "memory.png", "stall.png"):
