@@ -74,6 +74,23 @@ def sgd_step_in_cxl(pool, model, **offload):
           jcxl.place(tx.init(params), "cxl", pool=pool))
 
 
+def stacked_adamw_step(layers, dim, seed):
+  """An adamw step of `layers` scanned tanh layers (stacked weights and
+  biases), its parameters, optimizer and a batch."""
+  rng = np.random.default_rng(seed)
+  params = {"w": rng.normal(size=(layers, dim, dim)).astype(np.float32)
+                 * 0.05,
+            "b": np.zeros((layers, dim), np.float32)}
+
+  def loss_fn(p, x):
+    body = lambda h, lp: (jnp.tanh(h @ lp["w"] + lp["b"]), None)
+    return jnp.mean(jax.lax.scan(body, x, p)[0] ** 2)
+
+  tx = optax.adamw(1e-2)
+  x = rng.normal(size=(8, dim)).astype(np.float32)
+  return make_step(loss_fn, tx), params, tx, x
+
+
 def resident_and_placed(params, opt_state, devices, pool):
   """The state on the devices (FSDP over `devices`) and in the cxl tier."""
   if devices == 1:
@@ -358,19 +375,8 @@ class MemoryTest:
     # copied to be joined and reversed, and the sliced update's unrolled
     # last layers ran all their fetches and updates ahead of their stores
     # (27 and 39 layers' worth more at k = 1 and 2).
-    layers, dim = 12, 256
-    rng = np.random.default_rng(5)
-    params = {"w": rng.normal(size=(layers, dim, dim)).astype(np.float32)
-                   * 0.05,
-              "b": np.zeros((layers, dim), np.float32)}
-
-    def loss_fn(p, x):
-      body = lambda h, lp: (jnp.tanh(h @ lp["w"] + lp["b"]), None)
-      return jnp.mean(jax.lax.scan(body, x, p)[0] ** 2)
-
-    tx = optax.adamw(1e-2)
-    step = make_step(loss_fn, tx)
-    x = rng.normal(size=(8, dim)).astype(np.float32)
+    dim = 256
+    step, params, tx, x = stacked_adamw_step(layers=12, dim=dim, seed=5)
     p = jcxl.place(params, "cxl", pool=pool)
     s = jcxl.place(tx.init(params), "cxl", pool=pool)
     need = {k: device_need(cxl_offload(step, schedule=f"fixed:{k}")
@@ -425,19 +431,7 @@ class ModelZooEqualityTest:
           assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12
 
   def test_stacked_state_update_is_sliced_per_layer(self, pool):
-    layers, dim = 12, 128
-    rng = np.random.default_rng(4)
-    params = {"w": rng.normal(size=(layers, dim, dim)).astype(np.float32)
-                   * 0.05,
-              "b": np.zeros((layers, dim), np.float32)}
-
-    def loss_fn(p, x):
-      body = lambda h, lp: (jnp.tanh(h @ lp["w"] + lp["b"]), None)
-      return jnp.mean(jax.lax.scan(body, x, p)[0] ** 2)
-
-    tx = optax.adamw(1e-2)
-    step = make_step(loss_fn, tx)
-    x = rng.normal(size=(8, dim)).astype(np.float32)
+    step, params, tx, x = stacked_adamw_step(layers=12, dim=128, seed=4)
 
     resident = device_need(jax.jit(step, donate_argnums=(0, 1)).lower(
         params, tx.init(params), x).compile().memory_analysis())
