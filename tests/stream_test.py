@@ -313,7 +313,7 @@ class StreamedScanTest:
   @pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
   def test_matches_lax_scan_with_xs_and_ys(self, pool, reverse, prefetch):
     from jcxl._src.stream import streamed_scan
-    layers = 5
+    layers = 9  # prefetch 1: 3 turns of the ring loop, then 3 unrolled
     w, xs = rand(layers, 8, 8), rand(layers, 8, seed=9)
     pw = place(w, "cxl", pool=pool)
     body = lambda c, wi, x: (jnp.tanh(c @ wi + x), c.sum())
