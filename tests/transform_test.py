@@ -365,7 +365,6 @@ class MemoryTest:
     assert off16 - off8 <= layer
     assert off16 <= 0.35 * res16
 
-
   def test_prefetching_scanned_layers_adds_only_its_ring(self, pool):
     # Scanned (stacked) layers under adamw: fetching k layers ahead keeps
     # a bounded set of layer buffers more on the device than fetching each
