@@ -333,6 +333,11 @@ def _avals(tree: Any) -> Any:
 class OffloadedStep:
   """A step rewritten by ``cxl_offload`` (see there)."""
 
+  # The identity of the offloaded step that ran last in this process: a
+  # DAP step does not measure itself right after another one's (see
+  # Tuner.wants_measurement).
+  _ran_last: object | None = None
+
   def __init__(self, fn: Callable, device_budget: int | None,
                schedule: schedule_lib.Schedule, in_shardings: Any = None,
                out_shardings: Any = None):
@@ -351,6 +356,7 @@ class OffloadedStep:
     self.last_profile: profile_lib.StepProfile | None = None
     self.compiles = 0
     self._last_results: Any = None
+    self._identity = object()
     functools.update_wrapper(self, fn)
 
   def _prepare(self, args: tuple[Any, ...]) -> "_Prepared":
@@ -615,7 +621,10 @@ class OffloadedStep:
   def __call__(self, *args):
     args = self._place_inputs(args)
     compiled, out_tree, sources, self._plan = self._entry(args)
-    measure = self.tuner is not None and self.tuner.wants_measurement()
+    after_other = OffloadedStep._ran_last not in (None, self._identity)
+    OffloadedStep._ran_last = self._identity
+    measure = self.tuner is not None and self.tuner.wants_measurement(
+        after_other)
     if measure:
       jax.block_until_ready(self._last_results)
       self._collect(keep=False)  # waits of earlier steps belong to them
