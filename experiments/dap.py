@@ -18,7 +18,7 @@ budget (what their sync step needs plus --tight_headroom): a fixed
 distance whose step needs more is reported as over budget and not run,
 while DAP plans per layer within it.
 
-Then, on the first model at the middle bandwidth, the link slows by
+Then, on --slowdown_model at the middle bandwidth, the link slows by
 --slowdown mid-run: the steps DAP takes to re-plan are counted and its step
 time compared with a DAP run tuned from scratch on the slow link.
 
@@ -114,6 +114,11 @@ _TIGHT_HEADROOM = flags.DEFINE_string(
 _SLOWDOWN = flags.DEFINE_float(
     "slowdown", 2.0, "factor the link slows by mid-run (0: skip)",
     flag_values=FLAGS)
+_SLOWDOWN_MODEL = flags.DEFINE_string(
+    "slowdown_model", "wide_narrow", "model whose link slows mid-run, at "
+    "the middle bandwidth (one whose tuned step still waits on transfers: "
+    "GPT-2's tuned plan hid a 2x slower link, 606 -> 630 ms, with nothing "
+    "to re-plan)", flag_values=FLAGS)
 _RUN_DIR = flags.DEFINE_string("run_dir", "runs/dap", "output directory",
                                flag_values=FLAGS)
 
@@ -131,11 +136,13 @@ class Config:
   tight_models: tuple[str, ...]
   tight_headroom: int
   slowdown: float
+  slowdown_model: str
   run_dir: str
 
   def validate(self) -> None:
     for flag, models in (("--models", self.models),
-                         ("--tight_models", self.tight_models)):
+                         ("--tight_models", self.tight_models),
+                         ("--slowdown_model", (self.slowdown_model,))):
       for m in models:
         if m not in MODELS:
           raise ValueError(f"{flag}: unknown model {m!r}; known: "
@@ -164,7 +171,8 @@ def config_from_flags() -> Config:
       tight_models=tuple(_TIGHT_MODELS.value),
       tight_headroom=parse_bytes(_TIGHT_HEADROOM.value,
                                  name="--tight_headroom"),
-      slowdown=_SLOWDOWN.value, run_dir=_RUN_DIR.value)
+      slowdown=_SLOWDOWN.value, slowdown_model=_SLOWDOWN_MODEL.value,
+      run_dir=_RUN_DIR.value)
 
 
 class Case:
@@ -552,7 +560,8 @@ def run(config: Config) -> dict:
         stalls[name] = result["stall"]
   slowdown = None
   if config.slowdown:
-    slowdown = run_slowdown(cases[config.models[0]], mid, config)
+    case = cases.get(config.slowdown_model) or Case(config.slowdown_model)
+    slowdown = run_slowdown(case, mid, config)
   title = (f"cxl EMULATED (link bandwidths {[b / 1e9 for b in config.bandwidths]}"
            f" GB/s, {config.latency_s * 1e6:g} us per transfer); "
            f"{os.cpu_count()} cores, XLA:CPU as the device; {config.steps} "

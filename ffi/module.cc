@@ -358,6 +358,9 @@ NB_MODULE(_jcxl, m) {
     return out;
   });
 
+  m.def("clear_stream_waits", &ClearStreamWaits,
+        "Forgets the logged waits (not the totals) without returning them.");
+
   m.def("drain_wait_totals", []() {
     nb::dict out;
     for (const auto& [handle, t] : DrainWaitTotals()) {

@@ -222,6 +222,11 @@ std::vector<StreamWait> DrainStreamWaits() {
   return out;
 }
 
+void ClearStreamWaits() {
+  std::lock_guard<std::mutex> lock(g_waits_mu);
+  Waits().clear();
+}
+
 std::unordered_map<int32_t, WaitTotals> DrainWaitTotals() {
   std::lock_guard<std::mutex> lock(g_waits_mu);
   std::unordered_map<int32_t, WaitTotals> out;

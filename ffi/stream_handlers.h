@@ -36,6 +36,11 @@ struct StreamWait {
 // The `done` waits since the last call (bounded history), oldest first.
 std::vector<StreamWait> DrainStreamWaits();
 
+// Forgets the waits logged so far (the totals below are kept): a step
+// about to be measured starts an empty history without handing the
+// earlier steps' waits, up to the whole bound, to Python.
+void ClearStreamWaits();
+
 // What one pool object's waited-for transfers add up to. Kept for every
 // wait, however many: the history of single waits above is bounded.
 struct WaitTotals {

@@ -26,6 +26,7 @@ class DapExperimentTest:
     results = run_program("--models=one_big", "--bandwidths=4GB/s",
                           "--schedules=sync,fixed:1,dap", "--steps=2",
                           "--tune_steps=8", "--slowdown=2",
+                          "--slowdown_model=one_big",
                           "--tight_models=one_big",
                           "--tight_headroom=1MiB",
                           f"--run_dir={out}")
@@ -99,6 +100,7 @@ class DapExperimentTest:
       (["--schedules=fixed:x,dap"], "schedule must be"),
       (["--schedules=sync"], "must include dap"),
       (["--slowdown=0.5"], "--slowdown"),
+      (["--slowdown_model=nope"], "--slowdown_model: unknown model"),
       (["--block_steps=0"], "--block_steps"),
   ])
   def test_bad_flags(self, run_program, args, message):

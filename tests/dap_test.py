@@ -425,8 +425,10 @@ class TunerTest:
     rounds = [[distance(s) for s in ran[i:i + 3]] for i in range(0, raced, 3)]
     assert all(sorted(r) == [1, 2, 3] for r in rounds)
     assert len({tuple(r) for r in rounds[1:]}) == 3
-    # Then the kept plan runs on its own for a baseline.
-    assert [distance(s) for s in ran[raced:]] == [2] * options.measure_steps
+    # Then the kept plan runs on its own for a baseline, measured from its
+    # second step where the race's last turn ran another plan.
+    assert [distance(s) for s in ran[raced:]] == [2] * (
+        options.measure_steps + (distance(ran[raced - 1]) != 2))
     assert distance(tuner.schedule) == 2 and tuner.converged
     assert tuner.version == 1 and tuner.replans == 2
     # What the model does not see is learned from the race: its
@@ -459,13 +461,15 @@ class TunerTest:
       tuner.step_done(profile_of(step_s) if measured[-1] else None)
       last = k
     # A warm-up round of one step each, then 3 rounds of 3 steps each,
-    # then the kept plan's baseline step.
+    # then the kept plan's baseline step: the second of its own, as the
+    # last turn ran 1 ahead.
     turns = [ran[:1], ran[1:2]] + [ran[i:i + 3] for i in range(2, 20, 3)]
-    assert all(len(set(t)) == 1 for t in turns) and len(ran) == 21
+    assert all(len(set(t)) == 1 for t in turns) and len(ran) == 22
     assert sorted(t[0] for t in turns[2:]) == [1, 1, 1, 2, 2, 2]
+    assert turns[-1][0] == 1 and ran[20:] == [2, 2]
     # Only each measured turn's last step is measured (and the baseline's).
     assert [i for i, m in enumerate(measured) if m] == [
-        4, 7, 10, 13, 16, 19, 20]
+        4, 7, 10, 13, 16, 19, 21]
     assert distance(tuner.schedule) == 2
     raced = [e for e in tuner.history if e.what == "raced"][0]
     assert raced.measured_s == pytest.approx(0.27)
@@ -573,7 +577,8 @@ class TunerTest:
     assert distance(tuner.schedule) == 2 and tuner.converged
     # A warm-up round and 9 measured rounds: after the 9th, 1 ahead was
     # slower in 7 (chance: 46 in 512).
-    raced = [distance(s) for s in ran[:-options.measure_steps]]
+    ended = next(e.step for e in tuner.history if e.what == "raced")
+    raced = [distance(s) for s in ran[:ended - 1]]  # one step before race()
     assert raced.count(1) == raced.count(2) == 1 + 9
 
   def test_a_burst_of_slow_steps_is_not_a_drift(self):

@@ -236,6 +236,23 @@ class CompiledStepTest:
     assert report["['layer0']"].bytes_stored == layer0.nbytes
     assert report["['layer0']"].wait_s >= 0
 
+  def test_forgetting_the_waits_history_keeps_the_totals(self, pool):
+    # A measured step starts an empty history of single waits (what came
+    # before is forgotten, not handed to Python); the report still counts.
+    step, p, s = sgd_step_in_cxl(pool, unrolled_model(), schedule="fixed:1")
+    x = np.ones((BATCH, DIM), np.float32)
+    jcxl._jcxl.drain_wait_totals()
+    p, s, loss = step(p, s, x)
+    jax.block_until_ready(loss)
+    jcxl._jcxl.clear_stream_waits()
+    assert jcxl._jcxl.drain_stream_waits() == []
+    report = step.report()
+    assert report and all(r.transfers > 0 for r in report)
+    p, s, loss = step(p, s, x)
+    jax.block_until_ready(loss)
+    assert len(jcxl._jcxl.drain_stream_waits()) == sum(
+        r.transfers for r in step.report())
+
   def test_report_counts_every_transfer_however_many(self, pool):
     # More waits between two reports than the history of single waits
     # holds (65536): the totals still count every one of them.

@@ -149,6 +149,7 @@ class Tuner:
     self._rng = random.Random(0)
     # Steps in a row not measured because they followed another program's.
     self._deferred = 0
+    self._ran_version: int | None = None  # the plan the last step ran
     # The plan's modelled step on the links it was made for, by plan.
     self._planned_step: tuple[LayerSchedule, float] | None = None
     # Per plan tried: its compile-cache version and the step time measured
@@ -274,16 +275,18 @@ class Tuner:
     """Whether the next step should be measured (asked once a step).
 
     `after_other`: the host ran another offloaded program's step since
-    this step's last one. Such a step runs slower than one right after its
-    own (caches, buffers and threads warm for the other program: by up to
-    40% measured on XLA:CPU), and a plan runs back to back in a training
-    loop: the measurement waits for the next step, up to `_MAX_DEFERRED`
-    steps. Checks of a settled plan taken on such steps saw drifts that
-    were not there wherever two programs alternate (a benchmark's rounds,
-    a train/eval loop). A race's turns have their own warm-up step.
+    this step's last one. Such a step, and the first of a plan after
+    another plan's, runs slower than one right after its own (caches,
+    buffers and threads warm for the other program: by up to 40% measured
+    on XLA:CPU), and a plan runs back to back in a training loop: the
+    measurement waits for the next step, up to `_MAX_DEFERRED` steps.
+    Checks of a settled plan taken on such steps saw drifts that were not
+    there wherever two programs alternate (a benchmark's rounds, a
+    train/eval loop). A race's turns have their own warm-up step.
     """
     wanted = self._wanted()
-    if (wanted and after_other and self._state != "race"
+    switched = self._ran_version not in (None, self.version)
+    if (wanted and (after_other or switched) and self._state != "race"
         and self._deferred < _MAX_DEFERRED):
       self._deferred += 1
       return False
@@ -308,6 +311,7 @@ class Tuner:
     to be compiled).
     """
     self._steps += 1
+    self._ran_version = self.version
     if self._state == "race":
       return self._race_step(profile)
     if profile is None:
