@@ -194,7 +194,7 @@ class _Interpreter:
                               rows=rows or loop.rows)
       tokens = [store(target, values[key], index)
                 for key, target in targets.items()]
-      return sum((t.reshape(-1)[0] for t in tokens), jax.numpy.int32(0))
+      return sum((_mark(t) for t in tokens), jax.numpy.int32(0))
 
     weights = {str(j): self.env[k] for j, k in enumerate(loop.pool_keys)}
     if loop.rows:
