@@ -21,7 +21,7 @@ import collections
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -288,6 +288,42 @@ class _Prepared:
   targets: dict[int, int]  # output leaf -> state argument leaf
   out_tree: Any
   out_shardings: list[Any]  # per output leaf: a Sharding, or None
+
+
+class _Entry(NamedTuple):
+  """A compiled step and what a call needs to run it."""
+  executable: Any
+  out_tree: Any
+  sources: list[int | None]  # per output leaf: the state argument leaf
+  plan: Any
+  passed: tuple[int, ...]  # the argument leaves the executable takes
+
+
+def _bake_handles(args: tuple[Any, ...]
+                  ) -> tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]]:
+  """Which argument leaves a compiled step is called with, and how its
+  trace rebuilds `args` from them.
+
+  A pool array's handles are in the step's cache key already (static in
+  its pytree). Where this process can read them all they are baked into
+  the step as constants, not passed: a step with side effects is
+  dispatched by JAX in Python, argument by argument (one big block's 91
+  handle arrays cost about 7 ms a call). A process of a multi-process run
+  holds only its own devices' handles: there they stay arguments.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
+  baked = {i: jax.tree_util.tree_map(np.asarray, leaf)
+           for i, leaf in enumerate(leaves)
+           if isinstance(leaf, PoolArray) and
+           getattr(leaf.handles, "is_fully_addressable", True)}
+  passed = tuple(i for i in range(len(leaves)) if i not in baked)
+
+  def rebuild(*values):
+    given = dict(zip(passed, values))
+    return jax.tree_util.tree_unflatten(
+        treedef, [baked[i] if i in baked else given[i]
+                  for i in range(len(leaves))])
+  return passed, rebuild
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,14 +601,19 @@ class OffloadedStep:
     return treedef, tuple(parts)
 
   def lower(self, *args):
-    """Lowers the rewritten step for these arguments (see jax.jit)."""
+    """Lowers the rewritten step for these arguments (see jax.jit). Its
+    pool arrays' handles are constants in it where this process holds
+    them all."""
     args = self._place_inputs(args)
     return self._lower(args, self._prepare(args))
 
   def _lower(self, args: tuple[Any, ...], prep: _Prepared) -> Any:
-    return jax.jit(lambda *a: self._run(a, prep)).lower(*args)
+    passed, rebuild = _bake_handles(args)
+    flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+    return jax.jit(lambda *a: self._run(rebuild(*a), prep)).lower(
+        *(flat[i] for i in passed))
 
-  def _compile(self, args: tuple[Any, ...]) -> tuple[Any, Any, list, Any]:
+  def _compile(self, args: tuple[Any, ...]) -> _Entry:
     prep = self._prepare(args)
     compiled = self._lower(args, prep).compile()
     self.compiles += 1
@@ -593,7 +634,8 @@ class OffloadedStep:
     sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
     sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
                else None for i in sources]
-    return compiled, prep.out_tree, sources, self._plan
+    return _Entry(compiled, prep.out_tree, sources, self._plan,
+                  _bake_handles(args)[0])
 
   def _cache_key(self, args: tuple[Any, ...]) -> Any:
     return self._signature(args), self.tuner.version if self.tuner else 0
@@ -606,9 +648,9 @@ class OffloadedStep:
       MemoryError: it needs more than `device_budget` (after a DAP plan has
         been re-planned within it).
     """
-    return self._entry(self._place_inputs(args))[0]
+    return self._entry(self._place_inputs(args)).executable
 
-  def _entry(self, args: tuple[Any, ...]) -> tuple[Any, Any, list, Any]:
+  def _entry(self, args: tuple[Any, ...]) -> _Entry:
     for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array):
       if isinstance(leaf, PoolArray):
         registry.find_pool(leaf.pool_id, what=leaf._what())
@@ -623,7 +665,9 @@ class OffloadedStep:
 
   def __call__(self, *args):
     args = self._place_inputs(args)
-    compiled, out_tree, sources, self._plan = self._entry(args)
+    entry = self._entry(args)
+    self._plan = entry.plan
+    flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     after_other = OffloadedStep._ran_last not in (None, self._identity)
     OffloadedStep._ran_last = self._identity
     measure = self.tuner is not None and self.tuner.wants_measurement(
@@ -636,7 +680,8 @@ class OffloadedStep:
       # 77 ms here).
       _jcxl.clear_stream_waits()
       started = _jcxl.now_ns()
-    self._last_results = compiled(*args)
+    self._last_results = entry.executable(*(flat_args[i]
+                                            for i in entry.passed))
     if measure:
       jax.block_until_ready(self._last_results)
       window = (started, _jcxl.now_ns())
@@ -647,15 +692,14 @@ class OffloadedStep:
       self.tuner.step_done(self.last_profile if measure else None)
       # `plan` is the one the next step runs, when it is compiled already
       # (a race moving on, or settling on the plan it keeps).
-      entry = (self._compiled.get(self._cache_key(args))
-               if self.tuner.version != version else None)
-      if entry is not None:
-        self._plan = entry[3]
+      following = (self._compiled.get(self._cache_key(args))
+                   if self.tuner.version != version else None)
+      if following is not None:
+        self._plan = following.plan
     results = iter(self._last_results)
-    flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     return jax.tree_util.tree_unflatten(
-        out_tree, [next(results) if src is None else flat_args[src]
-                   for src in sources])
+        entry.out_tree, [next(results) if src is None else flat_args[src]
+                         for src in entry.sources])
 
   def _check_budget(self, compiled: Any) -> None:
     if self._budget is None:
@@ -680,7 +724,7 @@ class OffloadedStep:
   def memory_analysis(self, *args) -> Any:
     """The compiled step's ``memory_analysis()`` for these arguments."""
     entry = self._compiled.get(self._cache_key(self._place_inputs(args)))
-    compiled = entry[0] if entry else self.lower(*args).compile()
+    compiled = entry.executable if entry else self.lower(*args).compile()
     return compiled.memory_analysis()
 
   def _collect(self) -> list[profile_lib.Wait]:
