@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from experiments import cluster
@@ -251,6 +252,29 @@ class CompiledStepTest:
     ref_p, _, ref_loss = resident(halved, tx.init(halved), x)
     np.testing.assert_allclose(loss_second, ref_loss, rtol=1e-6)
     assert_trees_close(jcxl.gather(second[0]), ref_p, rtol=1e-6)
+
+  @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                      reason="XLA:CPU splits loops over cores: needs two")
+  def test_work_only_a_store_reads_is_split_over_the_cores(self, pool):
+    # XLA:CPU splits a loop over the cores by a cost analysis that starts
+    # from the step's result: an update whose only reader was a store was
+    # invisible to it and ran on one core (a third of GPT-2's step).
+    params = {"w": np.ones((512, 512), np.float32)}
+    tx = optax.adamw(1e-3)
+    step = cxl_offload(make_step(lambda p, x: jnp.mean((x @ p["w"]) ** 2),
+                                 tx))
+    text = step.compile(jcxl.place(params, "cxl", pool=pool),
+                        jcxl.place(tx.init(params), "cxl", pool=pool),
+                        np.ones((BATCH, 512), np.float32)).as_text()
+    defined = {m.group(1): m.group(0) for m in re.finditer(
+        r"^\s*(?:ROOT )?%(\S+) = .*$", text, re.M)}
+    stored = [defined[operands.split(", ")[2].lstrip("%")]
+              for operands in re.findall(
+                  r'custom-call\(([^)]*)\), custom_call_target='
+                  r'"jcxl_store_start"', text)]
+    large = [d for d in stored if "f32[512,512]" in d.split(" fusion(")[0]]
+    assert len(large) == 3  # the weight and its two moments
+    assert all("outer_dimension_partitions" in d for d in large), large
 
   def test_plan_and_report(self, pool):
     step, p, s = sgd_step_in_cxl(pool, unrolled_model(), schedule="fixed:2")
