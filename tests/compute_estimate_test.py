@@ -158,3 +158,31 @@ def test_a_long_run_is_timed_once_after_its_warm_up():
 
   assert compute_estimate._typical_seconds(slow) >= 0.12
   assert len(calls) == 2
+
+
+def test_timed_runs_do_not_copy_their_arguments_in():
+  # Passed as numpy arrays, every timed run copied its arguments onto the
+  # device first: an elementwise loop over 4M elements timed 10x slower,
+  # and every estimate built on that rate with it.
+  seen = []
+
+  def run(x):
+    seen.append(type(x))
+    return x
+
+  compute_estimate._typical_seconds(run, np.ones((4,), np.float32))
+  assert seen and all(issubclass(t, jax.Array) for t in seen), seen
+
+
+def test_rates_are_measured_on_device_arrays_inside_a_trace():
+  # Estimates are made while a step is traced: the timed runs must still
+  # be of concrete arrays.
+  seen = []
+
+  def run(x):
+    seen.append(isinstance(x, jax.core.Tracer))
+    return x
+
+  jax.make_jaxpr(lambda y: compute_estimate._typical_seconds(
+      run, np.ones((4,), np.float32)) + y)(1.0)
+  assert seen and not any(seen)
