@@ -325,7 +325,8 @@ def _bake_handles(args: tuple[Any, ...]
   its pytree). Where this process can read them all they are baked into
   the step as constants, not passed: a step with side effects is
   dispatched by JAX in Python, argument by argument (one big block's 91
-  handle arrays cost about 7 ms a call). A process of a multi-process run
+  handle arrays cost about 4 ms a call: it returned after 7.8 ms, 3.4
+  without them). A process of a multi-process run
   holds only its own devices' handles: there they stay arguments.
   """
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
