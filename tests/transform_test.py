@@ -400,6 +400,34 @@ class BadStepTest:
     with pytest.raises(jcxl.PoolClosedError, match=r"\['w'\]"):
       cxl_offload(lambda p: p)(p)
 
+  def test_freed_array_on_a_compiled_step(self, pool):
+    # The handles are constants of the compiled step: only a check before
+    # each run can name the array whose object is gone.
+    step, p, s = sgd_step_in_cxl(pool, unrolled_model())
+    x = np.ones((BATCH, DIM), np.float32)
+    step(p, s, x)
+    pool.free(pool.put(np.ones(4, np.float32), "cxl"))  # not the step's
+    step(p, s, x)  # still runs: the pool's handles are listed again
+    kept = jcxl.gather(p["layer0"])
+    p["layer1"]["w"].delete()
+    with pytest.raises(jcxl.UnknownHandleError,
+                       match=r"PoolArray \['layer1'\]\['w'\].*freed"):
+      step(p, s, x)
+    for name, value in kept.items():  # nothing else was touched
+      np.testing.assert_array_equal(jcxl.gather(p["layer0"][name]), value)
+    assert step.compiles == 1
+
+  def test_closed_pool_on_a_compiled_step(self):
+    pool = jcxl.Pool(host="8MiB", cxl="8MiB")
+    step, p, s = sgd_step_in_cxl(pool, unrolled_model())
+    x = np.ones((BATCH, DIM), np.float32)
+    params, loss_fn = unrolled_model()
+    *_, loss = step(p, s, x)
+    pool.close()  # waits for the step it dispatched
+    np.testing.assert_allclose(loss, loss_fn(params, x), rtol=1e-6)
+    with pytest.raises(jcxl.PoolClosedError, match=r"PoolArray \['"):
+      step(p, s, x)
+
 
 class MemoryTest:
 

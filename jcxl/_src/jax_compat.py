@@ -3,10 +3,14 @@ between JAX releases, and this is the one place to adapt."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src import ffi as _ffi
+
+logger = logging.getLogger(__name__)
 
 
 def allow_ffi_effects_in_remat() -> None:
@@ -32,6 +36,16 @@ def effects_barrier() -> None:
   except Exception:
     _dispatch.runtime_tokens.clear()
     raise
+
+
+def wait_for_dispatched(why: str) -> None:
+  """Waits for the computations with side effects dispatched so far, before
+  `why` (freeing or closing what they use). A failed one is logged, not
+  raised: its results raise its error to whoever reads them."""
+  try:
+    effects_barrier()
+  except Exception as e:  # pylint: disable=broad-except
+    logger.warning("jcxl: a step dispatched before %s failed: %s", why, e)
 
 
 def distributed_client():

@@ -32,6 +32,7 @@ import numpy as np
 
 from jcxl import _jcxl
 from jcxl._src import errors
+from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
 from jcxl._src.units import format_bandwidth
@@ -490,6 +491,7 @@ class Pool:
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     self._timeout_s = float(timeout_s)
+    self._frees = 0  # objects freed through `free`; see pool_array.Liveness
     self.topology = topology or topology_lib.discover()
     if node is None:
       node = topology_lib.node_of_current_process(self.topology)
@@ -675,6 +677,7 @@ class Pool:
 
   def free(self, handle: int) -> None:
     """Frees an object, after its transfers in flight are done."""
+    self._frees += 1  # even if it fails: a needless re-check costs little
     self._pool.free(handle, self._timeout_s)
 
   def info(self, handle: int) -> ObjectInfo:
@@ -819,10 +822,14 @@ class Pool:
   def close(self) -> None:
     """Releases every tier; raises ``PoolClosedError`` if already closed.
 
-    Transfers in flight get the pool's `timeout_s` to finish; those still
-    running then are failed (``TransferTimeoutError`` says how many waited),
-    and the pool is closed all the same.
+    It first waits for the steps already dispatched, which may still use
+    its objects (one that failed is logged; its results raise). Transfers in flight get the pool's
+    `timeout_s` to finish; those still running then are failed
+    (``TransferTimeoutError`` says how many waited), and the pool is closed
+    all the same.
     """
+    if not self.closed:
+      jax_compat.wait_for_dispatched(f"pool {self.id} was closed")
     try:
       self._pool.close(self._timeout_s)
     finally:

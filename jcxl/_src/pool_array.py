@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jcxl._src import errors
+from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src.pool import Tier
 from jcxl._src.units import format_bytes
@@ -133,8 +135,10 @@ class PoolArray:
     return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
 
   def delete(self) -> None:
-    """Frees this array's objects in the pool."""
+    """Frees this array's objects in the pool, once the steps already
+    dispatched (which may still read or write them) are done."""
     pool = self.pool
+    jax_compat.wait_for_dispatched(f"{self._what()} was deleted")
     for _, handle in self.local_handles:
       pool.free(handle)
 
@@ -148,6 +152,10 @@ class PoolArray:
   def _what(self) -> str:
     return f"PoolArray {self.path or '(unnamed)'}"
 
+  def _freed(self, handle: int) -> errors.UnknownHandleError:
+    return errors.UnknownHandleError(
+        f"{self._what()}: its object (handle {handle}) was freed")
+
   def __repr__(self) -> str:
     dims = ",".join(str(d) for d in self.shape)
     shards = len(self.local_handles)
@@ -160,6 +168,34 @@ class PoolArray:
     return (f"PoolArray({self.dtype.name}[{dims}], {where}, pool "
             f"{self.pool_id}, {shards} shard{'s' * (shards != 1)} of "
             f"{format_bytes(shard_bytes)}{path})")
+
+
+class Liveness:
+  """Checks, before each run of a compiled step, that its arrays' objects
+  still exist: a freed one would otherwise fail inside the step, by
+  handle, not by name. A pool's handles are listed again only after
+  something in it was freed, so a repeated check costs a lookup a pool.
+  """
+
+  def __init__(self, arrays: Sequence[PoolArray]):
+    self._held: dict[int, list[tuple[int, PoolArray]]] = {}
+    for x in arrays:
+      for _, handle in x.local_handles:
+        self._held.setdefault(x.pool_id, []).append((handle, x))
+    self._checked: dict[int, int] = {}  # pool id -> its frees when checked
+
+  def check(self) -> None:
+    """Raises PoolClosedError or UnknownHandleError naming the array."""
+    for pool_id, held in self._held.items():
+      pool = registry.find_pool(pool_id, what=held[0][1]._what())
+      frees = pool._frees  # pylint: disable=protected-access
+      if self._checked.get(pool_id) == frees:
+        continue
+      live = set(pool.handles())
+      for handle, x in held:
+        if handle not in live:
+          raise x._freed(handle)
+      self._checked[pool_id] = frees
 
 
 class RowBlocks(PoolArray):

@@ -41,8 +41,7 @@ def _checked(x: Any, op: str) -> tuple[PoolArray, Any]:
     try:
       info = pool.info(handle)
     except errors.UnknownHandleError:
-      raise errors.UnknownHandleError(
-          f"{x._what()}: its object (handle {handle}) was freed") from None
+      raise x._freed(handle) from None
     if info.shape != x.object_shard_shape or info.dtype != x.dtype:
       raise ValueError(
           f"{x._what()}: object {handle} holds {info.dtype}{list(info.shape)}"

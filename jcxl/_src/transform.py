@@ -44,6 +44,7 @@ from jcxl._src.planner import Cluster
 from jcxl._src.planner import Planner
 from jcxl._src.planner import shard_bytes
 from jcxl._src.planner import unordered_reads
+from jcxl._src.pool_array import Liveness
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.pool_array import RowBlocks
 from jcxl._src.sliced_update import SlicedNode
@@ -314,6 +315,7 @@ class _Entry(NamedTuple):
   sources: list[int | None]  # per output leaf: the state argument leaf
   plan: Any
   passed: tuple[int, ...]  # the argument leaves the executable takes
+  liveness: Liveness  # that its pool arrays' objects still exist
 
 
 def _bake_handles(args: tuple[Any, ...]
@@ -635,6 +637,9 @@ class OffloadedStep:
         *(flat[i] for i in passed))
 
   def _compile(self, args: tuple[Any, ...]) -> _Entry:
+    flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+    liveness = Liveness([x for x in flat_args if isinstance(x, PoolArray)])
+    liveness.check()  # a closed pool or a freed array, named, before tracing
     prep = self._prepare(args)
     baking = _bake_handles(args)  # once: it reads every handle back
     compiled = self._lower(args, prep, baking).compile()
@@ -650,13 +655,13 @@ class OffloadedStep:
       compiled = self._lower(args, prep, baking).compile()
       self.compiles += 1
     self._check_budget(compiled)
-    flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     # Where each output comes from: a pool-resident argument leaf (updated
     # in place) or the compiled step's results.
     sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
     sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
                else None for i in sources]
-    return _Entry(compiled, prep.out_tree, sources, self._plan, baking[0])
+    return _Entry(compiled, prep.out_tree, sources, self._plan, baking[0],
+                  liveness)
 
   def _cache_key(self, args: tuple[Any, ...]) -> Any:
     return self._signature(args), self.tuner.version if self.tuner else 0
@@ -672,9 +677,6 @@ class OffloadedStep:
     return self._entry(self._place_inputs(args)).executable
 
   def _entry(self, args: tuple[Any, ...]) -> _Entry:
-    for leaf in jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array):
-      if isinstance(leaf, PoolArray):
-        registry.find_pool(leaf.pool_id, what=leaf._what())
     # The key once a call: it flattens every argument (1.5 ms a call for
     # 91 pool arrays here).
     entry = self._compiled.get(self._cache_key(args))
@@ -682,6 +684,10 @@ class OffloadedStep:
       entry = self._compile(args)
       # Keyed after compiling: a DAP budget re-plan moves the plan on.
       self._compiled[self._cache_key(args)] = entry
+    else:
+      # Its handles are constants in it: the step would fail on a freed
+      # one by number, or the pool's closing, at run time.
+      entry.liveness.check()
     return entry
 
   def __call__(self, *args):
