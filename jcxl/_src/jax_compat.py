@@ -39,9 +39,10 @@ def effects_barrier() -> None:
 
 
 def wait_for_dispatched(why: str) -> None:
-  """Waits for the computations with side effects dispatched so far, before
-  `why` (freeing or closing what they use). A failed one is logged, not
-  raised: its results raise its error to whoever reads them."""
+  """Waits for the computations with side effects this thread dispatched
+  (JAX keeps their tokens per thread), before `why` (freeing or closing
+  what they use). A failed one is logged, not raised: its results raise
+  its error to whoever reads them."""
   try:
     effects_barrier()
   except Exception as e:  # pylint: disable=broad-except

@@ -822,8 +822,9 @@ class Pool:
   def close(self) -> None:
     """Releases every tier; raises ``PoolClosedError`` if already closed.
 
-    It first waits for the steps already dispatched, which may still use
-    its objects (one that failed is logged; its results raise). Transfers in flight get the pool's
+    It first waits for the steps this thread has dispatched, which may
+    still use its objects (one that failed is logged; its results raise).
+    Transfers in flight get the pool's
     `timeout_s` to finish; those still running then are failed
     (``TransferTimeoutError`` says how many waited), and the pool is closed
     all the same.

@@ -135,8 +135,8 @@ class PoolArray:
     return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
 
   def delete(self) -> None:
-    """Frees this array's objects in the pool, once the steps already
-    dispatched (which may still read or write them) are done."""
+    """Frees this array's objects in the pool, once the steps this thread
+    has dispatched (which may still read or write them) are done."""
     pool = self.pool
     jax_compat.wait_for_dispatched(f"{self._what()} was deleted")
     for _, handle in self.local_handles:
