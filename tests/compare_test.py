@@ -35,6 +35,8 @@ class CompareExperimentTest:
       row = by[("64", mode)]
       assert float(row["step_ms"]) > 0 and int(row["steps"]) >= 3
       assert float(row["max_loss_rel_diff"]) <= compare.LOSS_RTOL, row
+      assert float(row["run_loss_rel_diff"]) >= float(
+          row["max_loss_rel_diff"])
     # The wider model is over the budget resident, not offloaded.
     assert by[("128", "resident")]["fits"] == "False"
     assert "> budget" in by[("128", "resident")]["skipped"]
