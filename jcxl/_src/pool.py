@@ -824,10 +824,9 @@ class Pool:
 
     It first waits for the steps this thread has dispatched, which may
     still use its objects (one that failed is logged; its results raise).
-    Transfers in flight get the pool's
-    `timeout_s` to finish; those still running then are failed
-    (``TransferTimeoutError`` says how many waited), and the pool is closed
-    all the same.
+    Transfers in flight get the pool's `timeout_s` to finish; those still
+    running then are failed (``TransferTimeoutError`` says how many waited),
+    and the pool is closed all the same.
     """
     if not self.closed:
       jax_compat.wait_for_dispatched(f"pool {self.id} was closed")
