@@ -187,15 +187,15 @@ class Case:
     self.batch = family.example_batch(config, batch_size=BATCHES[name])
     self.step_fn = exp_common.make_train_step(family.make_loss(config),
                                               self.tx)
-    # The step as the planner sees it before anything runs (compute
-    # estimated from its equations), for the offline predictions.
+    # The step as the planner sees it before anything runs (each
+    # segment's compute timed alone, on zeros), for the offline predictions.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             ((self.params, self.tx.init(self.params)),
                              self.batch))
-    self.timeline, _ = step_timeline(self.step_fn, *abstract)
+    self.timeline, _ = step_timeline(self.step_fn, *abstract, timed=True)
 
   def offline_prediction(self, plan: Any, link: jcxl.LinkModel) -> float:
-    """The step time the cost model gives `plan` from estimates alone."""
+    """The step time the cost model gives `plan` before anything ran."""
     return costmodel.simulate(
         self.timeline, {l.name: l.prefetch for l in plan.layers},
         {"cxl": costmodel.Link(link.bandwidth, link.latency_s)},
@@ -432,9 +432,9 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
   out = ["# DAP against fixed and bucket schedules", ""]
   out += [f"- {case}: cxl {label}" for case, label in labels.items()]
   out += ["", "Predicted: the cost model on what DAP measured (each "
-          "segment's compute, the link); offline: on estimates alone "
-          "(compute from the step's equations, the emulated link), as "
-          "`experiments.plan` plans.", "",
+          "segment's compute, the link); offline: before anything runs "
+          "(each segment's compute timed alone on zeros, the emulated "
+          "link), as `experiments.plan` plans.", "",
           "| model | link GB/s | budget MiB | schedule | step ms | "
           "predicted ms | predicted / measured | offline / measured | "
           "device need MiB | within budget |",

@@ -12,8 +12,11 @@ allocated) and a hardware description, it prints
 * the largest model of the family (more layers) whose state fits the pool
   tiers and whose step fits the device.
 
-Compute is estimated from the step's equations at this machine's measured
-rates, scaled to --device_tflops when given. Activations are the residuals
+Compute is timed segment by segment on this machine's device (each
+segment's work compiled as one program and run on zeros, where its arrays
+fit in 1 GiB; estimated from its equations where not); with
+--device_tflops, it is estimated from the equations at this machine's
+measured rates and scaled to that rate. Activations are the residuals
 the forward pass saves for the backward pass. With --validate, a small
 model is also planned for this machine (its cxl tier EMULATED behind
 --validate_link) and run: predicted and measured step times are printed.
@@ -178,7 +181,11 @@ class Model:
 
 
 def abstract_model(family: str, model_config: Any, batch: int,
-                   seq_len: int, compute_scale: float) -> Model:
+                   seq_len: int, compute_scale: float,
+                   timed: bool = False) -> Model:
+  """The model's train step as the planner sees it; `timed`: each
+  segment's work is compiled and timed on this machine's device (see
+  ``step_timeline``), else estimated from its equations."""
   module = FAMILIES[family][0]
   params = jax.eval_shape(lambda: common.init_params(model_config))
   tx = optax.adamw(1e-4)
@@ -187,7 +194,8 @@ def abstract_model(family: str, model_config: Any, batch: int,
       model_config, batch_size=batch, seq_len=seq_len))
   loss_fn = module.make_loss(model_config)
   segments, layer_bytes = step_timeline(
-      exp_common.make_train_step(loss_fn, tx), (params, opt_state), data)
+      exp_common.make_train_step(loss_fn, tx), (params, opt_state), data,
+      timed=timed)
   segments = [dataclasses.replace(s, compute_s=s.compute_s * compute_scale)
               for s in segments]
   return Model(model_config, segments, layer_bytes,
@@ -306,7 +314,7 @@ def validate_here(config: Config) -> dict:
   here = dataclasses.replace(
       config, host_dram=0, nvme=None, host_link=config.validate_link,
       cxl=((1 << 40, config.validate_link),), device_memory=1 << 30)
-  model = abstract_model("gpt2", model_config, 8, 64, 1.0)
+  model = abstract_model("gpt2", model_config, 8, 64, 1.0, timed=True)
   planned = plan_model(model, here)
   choice = planned["choice"]
   link = jcxl.LinkModel(config.validate_link, config.latency_s)
@@ -335,8 +343,8 @@ def validate_here(config: Config) -> dict:
   print(f"\n== validation on this machine ({label}): gpt2 "
         f"{model.params / 1e6:.1f}M, predicted {predicted * 1e3:.1f} ms, "
         f"measured {measured * 1e3:.1f} ms (ratio "
-        f"{predicted / measured:.2f}; compute estimated from equations, "
-        "not measured)")
+        f"{predicted / measured:.2f}; each segment's compute timed here on "
+        "zeros before the run, the step itself not run before planning)")
   return dict(label=label, predicted_s=predicted, measured_s=measured)
 
 
@@ -351,8 +359,11 @@ def run(config: Config) -> dict:
          f", this machine's {matmul_rate / 1e12:.3f} TFLOP/s") + "; tiers: " +
         ", ".join(f"{n} {format_bytes(c)} at {format_bandwidth(l.bandwidth)}"
                   for n, l, c in tiers))
+  # Segments are timed where the plan is for this machine's device; the
+  # depth search below needs memory alone, and is estimated.
   model = abstract_model(config.family, model_config, config.batch,
-                         config.seq_len, scale)
+                         config.seq_len, scale,
+                         timed=not config.device_tflops)
   results: dict[str, Any] = {"model": f"{config.family}:{config.preset}",
                              "params": model.params}
   try:

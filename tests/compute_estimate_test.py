@@ -186,3 +186,123 @@ def test_rates_are_measured_on_device_arrays_inside_a_trace():
   jax.make_jaxpr(lambda y: compute_estimate._typical_seconds(
       run, np.ones((4,), np.float32)) + y)(1.0)
   assert seen and not any(seen)
+
+
+def program_of(fn, *args) -> Program:
+  return Program(jax.make_jaxpr(fn)(*args), len(args))
+
+
+def run_of(program, needed=lambda key: True):
+  return compute_estimate.run_seconds(program.nodes, program.resolve,
+                                      program.consts, needed)
+
+
+def test_a_run_is_compiled_whole_and_timed_once(monkeypatch):
+  compiled = []
+  timed = compute_estimate._device_seconds
+
+  def record(c, avals):
+    compiled.append(c)
+    return timed(c, avals)
+
+  monkeypatch.setattr(compute_estimate, "_device_seconds", record)
+  a = np.ones((64, 64), np.float32)
+  program = program_of(lambda a, b: jnp.tanh(a @ b) @ b, a, a)
+  seconds = run_of(program)
+  assert seconds is not None and seconds >= 0
+  assert len(compiled) == 1  # both products and the tanh: one program
+  assert run_of(program_of(lambda a, b: jnp.tanh(a @ b) @ b, a, a)) == seconds
+  assert len(compiled) == 1  # the same run again: not compiled again
+
+
+def test_a_run_returns_only_what_is_read_after_it(monkeypatch):
+  outputs = []
+  monkeypatch.setattr(compute_estimate, "_device_seconds", lambda c, avals: (
+      outputs.append(len(jax.tree.leaves(c.out_info))) or 0.0))
+  program = program_of(lambda x: (x * 2.0) * 3.0, X[:1000])
+  last = program.nodes[-1].outs[0]
+  compute_estimate._run_seconds.clear()
+  run_of(program, needed=lambda key: key == last)
+  compute_estimate._run_seconds.clear()
+  run_of(program)
+  # Intermediates the step reads nowhere else stay inside the run's
+  # loops, as the compiler would keep them in the step.
+  assert outputs == [1, 2]
+
+
+def test_a_run_is_charged_its_time_less_what_calling_it_costs(monkeypatch):
+  # Summed over a step's many small runs, the calls' own cost (which the
+  # step, one call, does not pay) came to a third of an MLP's estimate.
+  def fake(fn, *args):  # the empty program returns one int32 scalar
+    (out,) = jax.tree.leaves(fn.out_info)
+    return 0.001 if out.dtype == np.int32 else 0.005
+
+  monkeypatch.setattr(compute_estimate, "_typical_seconds", fake)
+  compute_estimate._run_seconds.clear()
+  assert run_of(program_of(lambda x: x * 2.0, X)) == pytest.approx(0.004)
+
+
+def test_a_run_too_large_to_allocate_here_is_not_timed(monkeypatch):
+  monkeypatch.setattr(compute_estimate, "_TIMED_RUN_BYTES", X.nbytes)
+  compute_estimate._run_seconds.clear()
+  assert run_of(program_of(lambda x: x * 2.0, X)) is None  # x and 2x
+
+
+def test_a_run_with_side_effects_is_not_timed():
+  def prints(x):
+    jax.debug.print("{}", x)
+    return x * 2.0
+
+  assert run_of(program_of(prints, X)) is None
+
+
+def mlp_step(depth=3, width=128):
+  """An adamw step over `depth` identical layers, and its abstract args."""
+  import optax  # pylint: disable=g-import-not-at-top
+  params = {f"layer{i}": {"w": jax.ShapeDtypeStruct((width, width),
+                                                    np.float32)}
+            for i in range(depth)}
+  tx = optax.adamw(1e-3)
+  x = jax.ShapeDtypeStruct((32, width), np.float32)
+
+  def loss_fn(p, x):
+    for i in range(depth):
+      x = jnp.tanh(x @ p[f"layer{i}"]["w"])
+    return jnp.mean(x ** 2)
+
+  def step(p, s, x):
+    loss, g = jax.value_and_grad(loss_fn)(p, x)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  return step, (params, jax.eval_shape(tx.init, params)), x
+
+
+def test_timed_timeline_times_each_distinct_segment_once(monkeypatch):
+  from jcxl._src.transform import step_timeline  # pylint: disable=g-import-not-at-top
+  compiled = []
+  timed = compute_estimate._device_seconds
+  monkeypatch.setattr(compute_estimate, "_device_seconds", lambda c, a: (
+      compiled.append(c) or timed(c, a)))
+  compute_estimate._run_seconds.clear()
+  shallow, _ = step_timeline(*mlp_step(depth=6), timed=True)
+  first = len(compiled)
+  deep, _ = step_timeline(*mlp_step(depth=10), timed=True)
+  # Four more layers like the middle ones: more segments, all timed
+  # already.
+  assert 0 < first < len(shallow) < len(deep)
+  assert len(compiled) == first
+  assert sum(s.compute_s for s in deep) > sum(s.compute_s for s in shallow)
+
+
+def test_timed_timeline_falls_back_to_estimates_where_runs_are_too_large(
+    monkeypatch):
+  from jcxl._src.transform import step_timeline  # pylint: disable=g-import-not-at-top
+  step, state, x = mlp_step()
+  estimated, _ = step_timeline(step, state, x)
+  monkeypatch.setattr(compute_estimate, "_TIMED_RUN_BYTES", 0)
+  compute_estimate._run_seconds.clear()
+  fallen_back, _ = step_timeline(step, state, x, timed=True)
+  assert [s.compute_s for s in fallen_back] == pytest.approx(
+      [s.compute_s for s in estimated])
+  assert sum(s.compute_s for s in fallen_back) > 0

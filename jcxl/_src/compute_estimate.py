@@ -16,6 +16,11 @@ at a fraction of that rate): each is timed on the device once per
 signature, and what it takes beyond moving its elements is added.
 Measurements are made once per process (a few ms each: a large product is
 timed on a slice of it); measured steps replace these estimates.
+
+Summed equation by equation, the estimate misses what the compiler makes of
+a run of them (which loops it forms, what they move, a large buffer's page
+faults): `run_seconds` times a whole run, compiled as one program, where
+its arrays are small enough to allocate here.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -257,3 +262,79 @@ def node_seconds(nodes: Sequence[Any],
       out.append((reads + writes) / (2 * elementwise_rate)
                  + _extra_seconds(n.eqn))
   return out
+
+
+# Runs whose arrays (arguments, results and the compiled program's
+# temporaries) need more than this are not timed whole (planning a large
+# model on a small host must not allocate its full-size tensors).
+_TIMED_RUN_BYTES = 1 << 30
+_run_seconds: dict[str, float | None] = {}  # by the run's lowered text
+
+
+def run_seconds(nodes: Sequence[Any], resolve: Callable[[Any], Any],
+                consts: Mapping[Any, Any], needed: Callable[[Any], bool]
+                ) -> float | None:
+  """The measured device time of a run of a flat program's nodes
+  (``eqn``, ``ins``, ``outs``), compiled as one program that returns the
+  values `needed` says are read after it; its inputs are zeros. None where
+  it is too large to run here, has side effects or does not compile."""
+  literal_or_lit = lambda a: not isinstance(a, tuple)
+  produced = {k for n in nodes for k in n.outs}
+  inputs: dict[Any, Any] = {}  # key -> aval, in first-read order
+  for n in nodes:
+    if n.eqn is None or n.eqn.effects:
+      return None
+    for atom in n.ins:
+      key = atom if literal_or_lit(atom) else resolve(atom)
+      if (not literal_or_lit(key) and key not in produced
+          and key not in consts):
+        inputs.setdefault(key, atom[1].aval)
+  outputs = [k for n in nodes for k in n.outs if needed(k)]
+
+  def value(env, atom):
+    if literal_or_lit(atom):
+      return atom.value
+    key = resolve(atom)
+    if literal_or_lit(key):
+      return key.value
+    return env[key] if key in env else consts[key]
+
+  def run(*args):
+    env = dict(zip(inputs, args))
+    for n in nodes:
+      env.update(zip(n.outs, jax_compat.bind(
+          n.eqn, [value(env, a) for a in n.ins])))
+    return [env[k] for k in outputs]
+
+  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs.values()]
+  nbytes = lambda avals: sum(_size(a) * np.dtype(a.dtype).itemsize
+                             for a in avals)
+  try:
+    lowered = jax.jit(run).lower(*avals)
+    results = jax.tree.leaves(lowered.out_info)
+    if nbytes(avals) + nbytes(results) > _TIMED_RUN_BYTES:
+      return None
+    text = lowered.as_text()
+    if text not in _run_seconds:
+      compiled = lowered.compile()
+      temp = compiled.memory_analysis().temp_size_in_bytes
+      _run_seconds[text] = (
+          None if nbytes(avals) + nbytes(results) + temp
+          > _TIMED_RUN_BYTES else _device_seconds(compiled, avals))
+  except Exception as e:  # pylint: disable=broad-except
+    # An estimate, replaced by measured steps: not worth failing a plan.
+    logger.debug("run of %d nodes not timed: %s", len(nodes), e)
+    return None
+  return _run_seconds[text]
+
+
+
+def _device_seconds(compiled, avals) -> float:
+  """A compiled run's time on zeros, less what calling it costs (the same
+  arguments into a program that does nothing): summed over the many small
+  runs of a step, the calls' own cost came to a third of an MLP's
+  estimate here, which the step, one call, does not pay."""
+  args = [np.zeros(a.shape, a.dtype) for a in avals]
+  empty = jax.jit(lambda *a: np.int32(0)).lower(*avals).compile()
+  return max(0.0, _typical_seconds(compiled, *args)
+             - _typical_seconds(empty, *args))

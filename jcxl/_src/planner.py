@@ -142,8 +142,11 @@ class Planner:
       self.starts_at[c.start_at].append(c)
 
   def timeline(self, stores: dict[Any, PoolArray],
-               store_after: dict[Any, int]) -> list[costmodel.Segment]:
-    """The step cut at its layer boundaries, compute estimated."""
+               store_after: dict[Any, int], timed: bool = False
+               ) -> list[costmodel.Segment]:
+    """The step cut at its layer boundaries, compute estimated (`timed`:
+    each segment's work compiled and timed whole where it is small
+    enough to run here; see ``_compute_seconds``)."""
     pooled = lambda key: isinstance(self.resident.get(key), PoolArray)
     # Boundaries: (node, order, segments that start there).
     starts: list[tuple[int, int, list[costmodel.Segment]]] = []
@@ -183,17 +186,7 @@ class Planner:
         segments.extend(starts[cursor][2])
         cursor += 1
       owner.append(len(segments) - 1)
-    compute = [0.0] * len(segments)
-    estimates = compute_estimate.node_seconds(self.program.nodes,
-                                              self.program.resolve)
-    for i, (node, seconds) in enumerate(zip(self.program.nodes, estimates)):
-      loop = self._loop_weights(i, node)
-      if loop is None:
-        compute[owner[i]] += seconds
-      else:  # spread over the loop's own segments
-        length = loop[1]
-        for g in range(owner[i] - length + 1, owner[i] + 1):
-          compute[g] += seconds / length
+    compute = self._compute_seconds(owner, len(segments), timed)
     written = collections.defaultdict(list)
     for key, target in stores.items():
       at = store_after.get(key, -1)
@@ -202,6 +195,47 @@ class Planner:
         s, compute_s=c, stores=s.stores + tuple(written.get(g, ())),
         tier=s.tier or next((t.tier for t in segments if t.tier), ""))
             for g, (s, c) in enumerate(zip(segments, compute))]
+
+  def _compute_seconds(self, owner: list[int], num_segments: int,
+                       timed: bool) -> list[float]:
+    """Device time of each segment: the sum of its nodes' estimates, or
+    (`timed`) its nodes compiled and timed as one program, which sees the
+    loops the compiler forms from them; a streamed loop's time is spread
+    over the loop's own segments."""
+    nodes = self.program.nodes
+    estimates = compute_estimate.node_seconds(nodes, self.program.resolve)
+    runs: dict[Any, list[int]] = collections.defaultdict(list)
+    spread: dict[Any, int] = {}  # a loop's run -> its length
+    for i, node in enumerate(nodes):
+      loop = self._loop_weights(i, node)
+      runs[owner[i] if loop is None else ("loop", i)].append(i)
+      if loop is not None:
+        spread[("loop", i)] = loop[1]
+    readers = collections.defaultdict(set)
+    for run, members in runs.items():
+      for i in members:
+        for n in getattr(nodes[i], "region", None) or [nodes[i]]:
+          for atom in n.ins:
+            readers[self.program.resolve(atom)].add(run)
+    outputs = set(self.program.outputs)
+    compute = [0.0] * num_segments
+    for run, members in runs.items():
+      seconds = None
+      if timed:
+        body = [n for i in members
+                for n in getattr(nodes[i], "region", None) or [nodes[i]]]
+        seconds = compute_estimate.run_seconds(
+            body, self.program.resolve, self.program.consts,
+            lambda key, run=run: key in outputs or bool(readers[key] - {run}))
+      if seconds is None:
+        seconds = sum(estimates[i] for i in members)
+      if run in spread:
+        last = owner[run[1]]
+        for g in range(last - spread[run] + 1, last + 1):
+          compute[g] += seconds / spread[run]
+      else:
+        compute[run] += seconds
+    return compute
 
   def _loop_weights(self, i: int, node: Node
                     ) -> tuple[list[Any], int, list[PoolArray]] | None:

@@ -449,8 +449,10 @@ class OffloadedStep:
                                            "in_shardings"),
         state, [jax.tree_util.keystr(p) for p, _ in with_paths])
 
-  def _analyze(self, args: tuple[Any, ...], prep: "_Prepared") -> _Analysis:
-    """Traces the step and finds its clusters, stores and timeline."""
+  def _analyze(self, args: tuple[Any, ...], prep: "_Prepared",
+               timed: bool = False) -> _Analysis:
+    """Traces the step and finds its clusters, stores and timeline
+    (`timed`: see ``Planner.timeline``)."""
     flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     closed = jax.make_jaxpr(self._fn)(*prep.avals)
     paths = [jax.tree_util.keystr(p) for p, _ in
@@ -490,7 +492,7 @@ class OffloadedStep:
                    for key, t in stores.items()}
     return _Analysis(program, planner, resident, key_paths, values, stores,
                      store_after, returned,
-                     planner.timeline(stores, store_after))
+                     planner.timeline(stores, store_after, timed))
 
   # The traced function: args in, the outputs that are not pool state out.
   def _run(self, args: tuple[Any, ...], prep: "_Prepared") -> list[Any]:
@@ -807,14 +809,17 @@ def _tier_links(resident: Any) -> dict[str, costmodel.Link]:
 
 
 def step_timeline(fn: Callable, state: tuple[Any, ...], *rest: Any,
-                  tier_of: Callable[[str], str] = lambda path: "cxl"
+                  tier_of: Callable[[str], str] = lambda path: "cxl",
+                  timed: bool = False
                   ) -> tuple[list[costmodel.Segment], dict[str, int]]:
   """The layer timeline of a step, planned without a pool or any memory.
 
   `state` holds the step's state arguments as ``jax.ShapeDtypeStruct``
   trees (e.g. ``jax.eval_shape`` of an init): each leaf is planned as if
   placed in tier ``tier_of(path)``. `rest` are the other arguments
-  (abstract too). Compute times are estimates (see compute_estimate).
+  (abstract too). Compute times are estimates (see compute_estimate);
+  with `timed`, each segment's work is compiled and timed on the default
+  device, on zeros, where its arrays are small enough to allocate.
 
   Returns:
     The segments, and the bytes of state each layer holds in the pool.
@@ -835,7 +840,8 @@ def step_timeline(fn: Callable, state: tuple[Any, ...], *rest: Any,
   args = tuple(jax.tree_util.tree_map_with_path(virtual, tree)
                for tree in state) + rest
   step = OffloadedStep(fn, None, schedule_lib.FixedSchedule(0))
-  return step._analyze(args, step._prepare(args)).segments, dict(layer_bytes)
+  return (step._analyze(args, step._prepare(args), timed).segments,
+          dict(layer_bytes))
 
 
 def cxl_offload(fn: Callable | None = None, *,
