@@ -48,6 +48,7 @@ import optax
 
 import jcxl
 from jcxl._src import costmodel
+from jcxl._src import transfer_estimate
 from jcxl._src.transform import step_timeline
 from jcxl._src.units import parse_bandwidth
 from jcxl._src.units import parse_bytes
@@ -195,10 +196,13 @@ class Case:
     self.timeline, _ = step_timeline(self.step_fn, *abstract, timed=True)
 
   def offline_prediction(self, plan: Any, link: jcxl.LinkModel) -> float:
-    """The step time the cost model gives `plan` before anything ran."""
+    """The step time the cost model gives `plan` before anything ran (the
+    link's latency and the copy engine's round trip, measured)."""
     return costmodel.simulate(
         self.timeline, {l.name: l.prefetch for l in plan.layers},
-        {"cxl": costmodel.Link(link.bandwidth, link.latency_s)},
+        {"cxl": costmodel.Link(
+            link.bandwidth,
+            link.latency_s + transfer_estimate.round_trip_seconds())},
         {l.name: l.chunk_bytes for l in plan.layers}).step_s
 
   def place(self, pool):
@@ -433,8 +437,9 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
   out += [f"- {case}: cxl {label}" for case, label in labels.items()]
   out += ["", "Predicted: the cost model on what DAP measured (each "
           "segment's compute, the link); offline: before anything runs "
-          "(each segment's compute timed alone on zeros, the emulated "
-          "link), as `experiments.plan` plans.", "",
+          "(each segment's compute timed alone on zeros and scaled to the "
+          "whole step's, the emulated link plus the copy engine's round "
+          "trip), as `experiments.plan` plans.", "",
           "| model | link GB/s | budget MiB | schedule | step ms | "
           "predicted ms | predicted / measured | offline / measured | "
           "device need MiB | within budget |",

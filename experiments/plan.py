@@ -14,7 +14,8 @@ allocated) and a hardware description, it prints
 
 Compute is timed segment by segment on this machine's device (each
 segment's work compiled as one program and run on zeros, where its arrays
-fit in 1 GiB; estimated from its equations where not); with
+fit in 1 GiB; estimated from its equations where not), and scaled so the
+segments add up to the whole step's time where the whole step fits too; with
 --device_tflops, it is estimated from the equations at this machine's
 measured rates and scaled to that rate. Activations are the residuals
 the forward pass saves for the backward pass. With --validate, a small
@@ -45,6 +46,7 @@ from jcxl._src import compute_estimate
 from jcxl._src import costmodel
 from jcxl._src import jax_compat
 from jcxl._src import schedule as schedule_lib
+from jcxl._src import transfer_estimate
 from jcxl._src.transform import step_timeline
 from jcxl._src.units import format_bandwidth
 from jcxl._src.units import format_bytes
@@ -311,9 +313,12 @@ def validate_here(config: Config) -> dict:
   """Plans a small model for this machine and runs it: predicted vs
   measured step time (the cxl tier EMULATED behind --validate_link)."""
   model_config = gpt2.tiny(vocab_size=4096, n_embd=128, n_layer=4, n_ctx=64)
+  # A transfer here also pays the copy engine's round trip (measured).
+  round_trip = transfer_estimate.round_trip_seconds()
   here = dataclasses.replace(
       config, host_dram=0, nvme=None, host_link=config.validate_link,
-      cxl=((1 << 40, config.validate_link),), device_memory=1 << 30)
+      cxl=((1 << 40, config.validate_link),), device_memory=1 << 30,
+      latency_s=config.latency_s + round_trip)
   model = abstract_model("gpt2", model_config, 8, 64, 1.0, timed=True)
   planned = plan_model(model, here)
   choice = planned["choice"]
@@ -343,8 +348,10 @@ def validate_here(config: Config) -> dict:
   print(f"\n== validation on this machine ({label}): gpt2 "
         f"{model.params / 1e6:.1f}M, predicted {predicted * 1e3:.1f} ms, "
         f"measured {measured * 1e3:.1f} ms (ratio "
-        f"{predicted / measured:.2f}; each segment's compute timed here on "
-        "zeros before the run, the step itself not run before planning)")
+        f"{predicted / measured:.2f}; before the run, each segment's "
+        "compute timed here on zeros and scaled to the whole step's, the "
+        f"copy engine's round trip {round_trip * 1e6:.0f} us added to the "
+        "link's latency)")
   return dict(label=label, predicted_s=predicted, measured_s=measured)
 
 
