@@ -212,15 +212,15 @@ class Planner:
       runs[owner[i] if loop is None else ("loop", i)].append(i)
       if loop is not None:
         spread[("loop", i)] = loop[1]
-    readers = collections.defaultdict(set)
-    for run, members in runs.items():
-      for i in members:
-        for n in getattr(nodes[i], "region", None) or [nodes[i]]:
-          for atom in n.ins:
-            readers[self.program.resolve(atom)].add(run)
-    outputs = set(self.program.outputs)
+    # A sliced update's equations are its region's, run whole here.
     flat = lambda members: [n for i in members for n in
                             getattr(nodes[i], "region", None) or [nodes[i]]]
+    readers = collections.defaultdict(set)
+    for run, members in runs.items():
+      for n in flat(members):
+        for atom in n.ins:
+          readers[self.program.resolve(atom)].add(run)
+    outputs = set(self.program.outputs)
     seconds_of = {}
     for run, members in runs.items():
       seconds = None
@@ -231,10 +231,11 @@ class Planner:
       seconds_of[run] = (sum(estimates[i] for i in members)
                          if seconds is None else seconds)
     # The compiler fuses across segments (GPT-2's head: the softmax's
-    # gradient written out transposed for the tied table's product, 55-75
-    # ms in one loop, against 31-37 ms for the two segments timed alone),
-    # and many small runs each pay a call and a cold start: where the
-    # whole step fits here, its time is shared out by the runs' own.
+    # gradient written out transposed for the tied table's product, one
+    # loop of 54-75 ms in the step that neither segment forms alone), and
+    # many small runs each pay a call and a cold start (one big block's
+    # segments, timed alone, added up to about twice its whole step): where
+    # the whole step fits here, its time is shared out by the runs' own.
     whole = timed and compute_estimate.run_seconds(
         flat(range(len(nodes))), self.program.resolve, self.program.consts,
         lambda key: key in outputs)
