@@ -437,9 +437,9 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
   out += [f"- {case}: cxl {label}" for case, label in labels.items()]
   out += ["", "Predicted: the cost model on what DAP measured (each "
           "segment's compute, the link); offline: before anything runs "
-          "(each segment's compute timed alone on zeros and scaled to the "
-          "whole step's, the emulated link plus the copy engine's round "
-          "trip), as `experiments.plan` plans.", "",
+          "(each segment's compute timed alone on zeros, the emulated "
+          "link plus the copy engine's round trip), as `experiments.plan` "
+          "plans.", "",
           "| model | link GB/s | budget MiB | schedule | step ms | "
           "predicted ms | predicted / measured | offline / measured | "
           "device need MiB | within budget |",

@@ -14,8 +14,7 @@ allocated) and a hardware description, it prints
 
 Compute is timed segment by segment on this machine's device (each
 segment's work compiled as one program and run on zeros, where its arrays
-fit in 1 GiB; estimated from its equations where not), and scaled so the
-segments add up to the whole step's time where the whole step fits too; with
+fit in 1 GiB; estimated from its equations where not); with
 --device_tflops, it is estimated from the equations at this machine's
 measured rates and scaled to that rate. Activations are the residuals
 the forward pass saves for the backward pass. With --validate, a small
@@ -349,7 +348,7 @@ def validate_here(config: Config) -> dict:
         f"{model.params / 1e6:.1f}M, predicted {predicted * 1e3:.1f} ms, "
         f"measured {measured * 1e3:.1f} ms (ratio "
         f"{predicted / measured:.2f}; before the run, each segment's "
-        "compute timed here on zeros and scaled to the whole step's, the "
+        "compute timed here on zeros, the "
         f"copy engine's round trip {round_trip * 1e6:.0f} us added to the "
         "link's latency)")
   return dict(label=label, predicted_s=predicted, measured_s=measured)
@@ -368,6 +367,10 @@ def run(config: Config) -> dict:
                   for n, l, c in tiers))
   # Segments are timed where the plan is for this machine's device; the
   # depth search below needs memory alone, and is estimated.
+  print("compute: " + (
+      f"estimated from the step's equations at this machine's rates, "
+      f"scaled to {config.device_tflops:g} TFLOP/s" if config.device_tflops
+      else "each segment's work timed on this machine's device, on zeros"))
   model = abstract_model(config.family, model_config, config.batch,
                          config.seq_len, scale,
                          timed=not config.device_tflops)

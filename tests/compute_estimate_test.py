@@ -289,9 +289,9 @@ def test_timed_timeline_times_each_distinct_segment_once(monkeypatch):
   first = len(compiled)
   deep, _ = step_timeline(*mlp_step(depth=10), timed=True)
   # Four more layers like the middle ones: more segments, all timed
-  # already; only the deeper whole step is a program of its own.
+  # already.
   assert 0 < first < len(shallow) < len(deep)
-  assert len(compiled) == first + 1
+  assert len(compiled) == first
   assert sum(s.compute_s for s in deep) > sum(s.compute_s for s in shallow)
 
 
@@ -307,23 +307,3 @@ def test_timed_timeline_falls_back_to_estimates_where_runs_are_too_large(
       [s.compute_s for s in estimated])
   assert sum(s.compute_s for s in fallen_back) > 0
 
-
-def test_timed_segments_add_up_to_the_whole_step(monkeypatch):
-  from jcxl._src.transform import step_timeline  # pylint: disable=g-import-not-at-top
-  step, state, x = mlp_step()
-  whole_inputs = len(jax.tree.leaves((state, x)))
-  runs = []
-
-  def fake(compiled, avals):  # each segment 1 s, the whole step 40 s
-    runs.append(len(avals))
-    return 40.0 if len(avals) == whole_inputs else 1.0
-
-  monkeypatch.setattr(compute_estimate, "_device_seconds", fake)
-  compute_estimate._run_seconds.clear()
-  segments, _ = step_timeline(step, state, x, timed=True)
-  assert runs.count(whole_inputs) == 1
-  # Every segment's run took 1 s (identical ones were timed once): each
-  # is charged an equal share of the whole step's 40 s.
-  working = [s.compute_s for s in segments if s.compute_s > 0]
-  assert len(working) >= len(runs) - 1
-  assert working == pytest.approx([40.0 / len(working)] * len(working))

@@ -86,6 +86,21 @@ class PlannerTest:
     assert choice.prediction.step_s <= sync.step_s * (1 + 1e-9)
     assert choice.reasons
 
+  @settings(max_examples=150, deadline=None)
+  @given(cost_tables())
+  def test_plan_never_loses_to_a_uniform_distance_that_fits(self, table):
+    # One layer deeper at a time can find no gain where only deepening
+    # many together pays: the planner also searches from uniform starts.
+    segments, links, budget = table
+    choice = costmodel.plan(segments, links, prefetch_budget=budget)
+    names = {s.name for s in segments if s.nbytes}
+    for k in range(1, costmodel.MAX_PREFETCH + 1):
+      uniform = {n: k for n in names}
+      if costmodel.peak_prefetch_bytes(segments, uniform) > budget:
+        continue
+      fixed = costmodel.simulate(segments, uniform, links, choice.chunk_bytes)
+      assert choice.prediction.step_s <= fixed.step_s * 1.01, k
+
   def test_deepens_only_the_layer_that_needs_it(self):
     # b is big and follows a long compute; c is tiny: only b prefetches.
     segments = [seg("a", MiB, 0.05), seg("b", 40 * MiB, 0.001),

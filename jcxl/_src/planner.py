@@ -200,9 +200,9 @@ class Planner:
                        timed: bool) -> list[float]:
     """Device time of each segment: the sum of its nodes' estimates, or
     (`timed`) its nodes compiled and timed as one program, which sees the
-    loops the compiler forms from them, scaled so that the segments add up
-    to the whole step's time where that fits here too; a streamed loop's
-    time is spread over the loop's own segments."""
+    loops the compiler forms from them (the offloaded step is cut at the
+    same boundaries by its transfers); a streamed loop's time is spread
+    over the loop's own segments."""
     nodes = self.program.nodes
     estimates = compute_estimate.node_seconds(nodes, self.program.resolve)
     runs: dict[Any, list[int]] = collections.defaultdict(list)
@@ -221,29 +221,15 @@ class Planner:
         for atom in n.ins:
           readers[self.program.resolve(atom)].add(run)
     outputs = set(self.program.outputs)
-    seconds_of = {}
+    compute = [0.0] * num_segments
     for run, members in runs.items():
       seconds = None
       if timed:
         seconds = compute_estimate.run_seconds(
             flat(members), self.program.resolve, self.program.consts,
             lambda key, run=run: key in outputs or bool(readers[key] - {run}))
-      seconds_of[run] = (sum(estimates[i] for i in members)
-                         if seconds is None else seconds)
-    # The compiler fuses across segments (GPT-2's head: the softmax's
-    # gradient written out transposed for the tied table's product, one
-    # loop of 54-75 ms in the step that neither segment forms alone), and
-    # many small runs each pay a call and a cold start (one big block's
-    # segments, timed alone, added up to about twice its whole step): where
-    # the whole step fits here, its time is shared out by the runs' own.
-    whole = timed and compute_estimate.run_seconds(
-        flat(range(len(nodes))), self.program.resolve, self.program.consts,
-        lambda key: key in outputs)
-    if whole and sum(seconds_of.values()) > 0:
-      scale = whole / sum(seconds_of.values())
-      seconds_of = {run: t * scale for run, t in seconds_of.items()}
-    compute = [0.0] * num_segments
-    for run, seconds in seconds_of.items():
+      if seconds is None:
+        seconds = sum(estimates[i] for i in members)
       if run in spread:
         last = owner[run[1]]
         for g in range(last - spread[run] + 1, last + 1):
