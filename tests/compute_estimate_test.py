@@ -232,7 +232,7 @@ def test_a_run_returns_only_what_is_read_after_it(monkeypatch):
 
 def test_a_run_is_charged_its_time_less_what_calling_it_costs(monkeypatch):
   # Summed over a step's many small runs, the calls' own cost (which the
-  # step, one call, does not pay) came to a third of an MLP's estimate.
+  # step, one call, does not pay) came to a fifth of an MLP's estimate.
   def fake(fn, *args, **kwargs):  # the empty program: one int32 scalar
     (out,) = jax.tree.leaves(fn.out_info)
     return 0.001 if out.dtype == np.int32 else 0.005

@@ -62,13 +62,12 @@ def _typical_seconds(fn, *args, reps: int = 5, once_over: float = 0.1
                      ) -> float:
   """The median of a few runs after one that warms up (a step runs at the
   device's usual speed, not its best: on a shared host the fastest of five
-  ran 10-20% under it); a run that takes long is timed once (the noise is
-  small beside it). The warm-up run is never the measurement: a fresh
-  process's first run of a small product took 116 ms here, 150 times its
-  usual time (`once_over`: what takes long). The arguments are put on the
-  device first: passed as numpy
-  arrays, each run copied them in, and an elementwise loop timed 10x
-  slower here."""
+  ran 10-20% under it); a run that takes over `once_over` seconds is timed
+  once (the noise is small beside it). The warm-up run is never the
+  measurement: a fresh process's first run of a small product took 116 ms
+  here, 150 times its usual time. The arguments are put on the device
+  first: passed as numpy arrays, each run copied them in, and an
+  elementwise loop timed 10x slower here."""
   with jax.ensure_compile_time_eval():  # concrete, even inside a trace
     args = jax.device_put(args)
   jax.block_until_ready(fn(*args))
@@ -280,24 +279,24 @@ def run_seconds(nodes: Sequence[Any], resolve: Callable[[Any], Any],
   (``eqn``, ``ins``, ``outs``), compiled as one program that returns the
   values `needed` says are read after it; its inputs are zeros. None where
   it is too large to run here, has side effects or does not compile."""
-  literal_or_lit = lambda a: not isinstance(a, tuple)
+  is_lit = lambda atom: not isinstance(atom, tuple)  # else a key
   produced = {k for n in nodes for k in n.outs}
   inputs: dict[Any, Any] = {}  # key -> aval, in first-read order
   for n in nodes:
     if n.eqn is None or n.eqn.effects:
       return None
     for atom in n.ins:
-      key = atom if literal_or_lit(atom) else resolve(atom)
-      if (not literal_or_lit(key) and key not in produced
+      key = atom if is_lit(atom) else resolve(atom)
+      if (not is_lit(key) and key not in produced
           and key not in consts):
         inputs.setdefault(key, atom[1].aval)
   outputs = [k for n in nodes for k in n.outs if needed(k)]
 
   def value(env, atom):
-    if literal_or_lit(atom):
+    if is_lit(atom):
       return atom.value
     key = resolve(atom)
-    if literal_or_lit(key):
+    if is_lit(key):
       return key.value
     return env[key] if key in env else consts[key]
 
@@ -330,15 +329,14 @@ def run_seconds(nodes: Sequence[Any], resolve: Callable[[Any], Any],
   return _run_seconds[text]
 
 
-
 def _device_seconds(compiled, avals) -> float:
   """A compiled run's time on zeros, less what calling it costs (the same
   arguments into a program that does nothing): summed over the many small
-  runs of a step, the calls' own cost came to a third of an MLP's
+  runs of a step, the calls' own cost came to a fifth of an MLP's
   estimate here, which the step, one call, does not pay."""
   args = [np.zeros(a.shape, a.dtype) for a in avals]
   empty = jax.jit(lambda *a: np.int32(0)).lower(*avals).compile()
-  # A step's runs are timed in full: timed once after its warm-up, a
-  # 0.2 s GPT-2 step came out at 0.34 s.
+  # Runs up to a second are timed five times: timed once after its
+  # warm-up, a 0.2 s GPT-2 step came out at 0.34 s.
   return max(0.0, _typical_seconds(compiled, *args, once_over=1.0)
              - _typical_seconds(empty, *args))

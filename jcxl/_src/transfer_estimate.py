@@ -3,11 +3,11 @@
 A fetch that the step waits for pays more than its bytes over the link and
 the link's latency: the ``start`` call hands the request to a copy thread,
 which wakes, copies and wakes the waiting ``done``. On this kind of host (2
-shared cores in a VM) that round trip measured 110-130 us a fetch, against
-an emulated link latency of 2 us: a sync step of 14 small layers waited
-about 17 ms a step on it, which a plan from the link model alone did not
-see. It is measured once per process, in a compiled program of fetches
-that each wait for the one before, against the same program without them.
+shared cores in a VM) that round trip measured 36-130 us a fetch over a
+day, against an emulated link latency of 2 us, which is all a plan from
+the link model alone sees. It is measured once per process, in a compiled
+program of fetches that each wait for the one before, against the same
+program without them.
 """
 
 from __future__ import annotations
