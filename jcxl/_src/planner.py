@@ -204,7 +204,6 @@ class Planner:
     same boundaries by its transfers); a streamed loop's time is spread
     over the loop's own segments."""
     nodes = self.program.nodes
-    estimates = compute_estimate.node_seconds(nodes, self.program.resolve)
     runs: dict[Any, list[int]] = collections.defaultdict(list)
     spread: dict[Any, int] = {}  # a loop's run -> its length
     for i, node in enumerate(nodes):
@@ -212,6 +211,29 @@ class Planner:
       runs[owner[i] if loop is None else ("loop", i)].append(i)
       if loop is not None:
         spread[("loop", i)] = loop[1]
+    timed_runs = self._timed_runs(runs) if timed else {}
+    estimates = None  # equation by equation, only where a run is not timed
+    compute = [0.0] * num_segments
+    for run, members in runs.items():
+      seconds = timed_runs.get(run)
+      if seconds is None:
+        if estimates is None:
+          estimates = compute_estimate.node_seconds(nodes,
+                                                    self.program.resolve)
+        seconds = sum(estimates[i] for i in members)
+      if run in spread:
+        last = owner[run[1]]
+        for g in range(last - spread[run] + 1, last + 1):
+          compute[g] += seconds / spread[run]
+      else:
+        compute[run] += seconds
+    return compute
+
+  def _timed_runs(self, runs: dict[Any, list[int]]
+                  ) -> dict[Any, float | None]:
+    """Each run's nodes compiled and timed as one program that returns
+    what other runs (or the step) read; None where it cannot be timed."""
+    nodes = self.program.nodes
     # A sliced update's equations are its region's, run whole here.
     flat = lambda members: [n for i in members for n in
                             getattr(nodes[i], "region", None) or [nodes[i]]]
@@ -221,22 +243,10 @@ class Planner:
         for atom in n.ins:
           readers[self.program.resolve(atom)].add(run)
     outputs = set(self.program.outputs)
-    compute = [0.0] * num_segments
-    for run, members in runs.items():
-      seconds = None
-      if timed:
-        seconds = compute_estimate.run_seconds(
-            flat(members), self.program.resolve, self.program.consts,
-            lambda key, run=run: key in outputs or bool(readers[key] - {run}))
-      if seconds is None:
-        seconds = sum(estimates[i] for i in members)
-      if run in spread:
-        last = owner[run[1]]
-        for g in range(last - spread[run] + 1, last + 1):
-          compute[g] += seconds / spread[run]
-      else:
-        compute[run] += seconds
-    return compute
+    return {run: compute_estimate.run_seconds(
+        flat(members), self.program.resolve, self.program.consts,
+        lambda key, run=run: key in outputs or bool(readers[key] - {run}))
+            for run, members in runs.items()}
 
   def _loop_weights(self, i: int, node: Node
                     ) -> tuple[list[Any], int, list[PoolArray]] | None:
