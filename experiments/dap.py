@@ -47,6 +47,7 @@ import jax
 import optax
 
 import jcxl
+from jcxl._src import compute_measure
 from jcxl._src import costmodel
 from jcxl._src import transfer_estimate
 from jcxl._src.transform import step_timeline
@@ -188,22 +189,30 @@ class Case:
     self.batch = family.example_batch(config, batch_size=BATCHES[name])
     self.step_fn = exp_common.make_train_step(family.make_loss(config),
                                               self.tx)
-    # The step as the planner sees it before anything runs (each
-    # segment's compute timed alone, on zeros), for the offline predictions.
+    # The step as the planner sees it before anything runs, for the
+    # offline predictions: each segment's compute measured in the sync
+    # step on a throwaway host pool, and (for comparison) timed alone.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             ((self.params, self.tx.init(self.params)),
                              self.batch))
-    self.timeline, _ = step_timeline(self.step_fn, *abstract, timed=True)
+    self.timelines = {
+        "measured": compute_measure.measured_timeline(self.step_fn,
+                                                      *abstract)[0],
+        "alone": step_timeline(self.step_fn, *abstract, timed=True)[0]}
 
-  def offline_prediction(self, plan: Any, link: jcxl.LinkModel) -> float:
-    """The step time the cost model gives `plan` before anything ran (the
-    link's latency and the copy engine's round trip, measured)."""
-    return costmodel.simulate(
-        self.timeline, {l.name: l.prefetch for l in plan.layers},
-        {"cxl": costmodel.Link(
-            link.bandwidth,
-            link.latency_s + transfer_estimate.round_trip_seconds())},
-        {l.name: l.chunk_bytes for l in plan.layers}).step_s
+  def offline_predictions(self, plan: Any, link: jcxl.LinkModel
+                          ) -> dict[str, float]:
+    """The step time the cost model gives `plan` before anything ran, on
+    each of the timelines: the emulated link, each transfer holding it for
+    the copy engine's round trip (measured)."""
+    links = {"cxl": costmodel.Link(
+        link.bandwidth, link.latency_s,
+        hold_s=transfer_estimate.round_trip_seconds())}
+    prefetch = {l.name: l.prefetch for l in plan.layers}
+    chunks = {l.name: l.chunk_bytes for l in plan.layers}
+    return {name: costmodel.simulate(timeline, prefetch, links,
+                                     chunks).step_s
+            for name, timeline in self.timelines.items()}
 
   def place(self, pool):
     return (jcxl.place(self.params, "cxl", pool=pool),
@@ -295,13 +304,14 @@ def run_case(case: Case, bandwidth: float, budget: int,
       prefetch = ({l.name: l.prefetch for l in step.plan.layers}
                   if schedule in runs else None)
       predicted = tuner.predict(prefetch).step_s if prefetch else None
-      offline = (case.offline_prediction(step.plan, link) if prefetch
-                 else None)
+      offline = (case.offline_predictions(step.plan, link) if prefetch
+                 else {})
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
                        budget_mib=budget / 2**20, schedule=schedule,
                        step_ms=_ms(median), predicted_ms=_ms(predicted),
                        round_ms=[t * 1e3 for t in times.get(schedule, [])],
-                       offline_predicted_ms=_ms(offline),
+                       offline_predicted_ms=_ms(offline.get("measured")),
+                       offline_alone_predicted_ms=_ms(offline.get("alone")),
                        device_need=need, within_budget=need <= budget,
                        tune_steps=tuned, compiles=step.compiles))
       logging.info("%s %.2f GB/s, budget %.1f MiB, %s: %s ms (predicted %s),"
@@ -421,6 +431,8 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
         dap_predicted_over_measured=dap["predicted_ms"] / dap["step_ms"],
         dap_offline_over_measured=(dap["offline_predicted_ms"] /
                                    dap["step_ms"]),
+        dap_offline_alone_over_measured=(dap["offline_alone_predicted_ms"] /
+                                         dap["step_ms"]),
         # The same plan against itself (DAP's measuring aside): how far
         # apart two runs of one plan come out here, round by round.
         dap_over_unmeasured=(exp_common.worst_paired_ratio(
@@ -436,14 +448,16 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
   out = ["# DAP against fixed and bucket schedules", ""]
   out += [f"- {case}: cxl {label}" for case, label in labels.items()]
   out += ["", "Predicted: the cost model on what DAP measured (each "
-          "segment's compute, the link); offline: before anything runs "
-          "(each segment's compute timed alone on zeros, the emulated "
-          "link plus the copy engine's round trip), as `experiments.plan` "
-          "plans.", "",
+          "segment's compute, the link). Offline: before anything runs on "
+          "the cxl tier: the emulated link, each transfer holding it for "
+          "the copy engine's round trip (measured), and each segment's "
+          "compute measured in the sync step on a throwaway host pool, on "
+          "zeros (`experiments.plan --measure_compute`); offline, alone: "
+          "each segment's compute timed by itself on zeros instead.", "",
           "| model | link GB/s | budget MiB | schedule | step ms | "
           "predicted ms | predicted / measured | offline / measured | "
-          "device need MiB | within budget |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "offline, alone / measured | device need MiB | within budget |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     ran = r["step_ms"] is not None
     out.append(
@@ -451,8 +465,9 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
         f"{r['schedule']} | "
         + (f"{r['step_ms']:.2f} | {r['predicted_ms']:.2f} | "
            f"{r['predicted_ms'] / r['step_ms']:.3f} | "
-           f"{r['offline_predicted_ms'] / r['step_ms']:.3f}" if ran else
-           "over budget, not run | - | - | -")
+           f"{r['offline_predicted_ms'] / r['step_ms']:.3f} | "
+           f"{r['offline_alone_predicted_ms'] / r['step_ms']:.3f}" if ran
+           else "over budget, not run | - | - | - | -")
         + f" | {r['device_need'] / 2**20:.1f} | {r['within_budget']} |")
   out += ["", "DAP against the best fixed prefetch distance (sync = 0) "
           "within the budget, per case. Medians: each schedule's median "
@@ -467,9 +482,9 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
           "dap / every fixed, paired, the largest [90%] | dap / best fixed, "
           "paired [90%] | dap faster than every fixed "
           "(paired, interval below 1) | fixed over budget | dap predicted "
-          "/ measured | offline | dap / its plan unmeasured, paired [90%] | "
-          "stall before -> after tuning |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "/ measured | offline | offline, alone | dap / its plan "
+          "unmeasured, paired [90%] | stall before -> after tuning |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for c in summary:
     stall = (f"{c['stall_before']:.1%} -> {c['stall_after']:.1%}"
              if c["stall_before"] is not None else "-")
@@ -481,6 +496,7 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
         f"{', '.join(c['fixed_over_budget']) or '-'} | "
         f"{c['dap_predicted_over_measured']:.3f} | "
         f"{c['dap_offline_over_measured']:.3f} | "
+        f"{c['dap_offline_alone_over_measured']:.3f} | "
         + f"{_paired(c['dap_over_unmeasured'])} | {stall} |")
   if slowdown:
     out += ["", f"Link slowdown ({slowdown['fast_gbps']:g} -> "

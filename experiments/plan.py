@@ -16,10 +16,16 @@ Compute is timed segment by segment on this machine's device (each
 segment's work compiled as one program and run on zeros, where its arrays
 fit in 1 GiB; estimated from its equations where not); with
 --device_tflops, it is estimated from the equations at this machine's
-measured rates and scaled to that rate. Activations are the residuals
+measured rates and scaled to that rate; with --measure_compute, each
+segment's compute is measured in the step itself, run here with every
+leaf fetched right before its use from a throwaway host pool (it sees
+what the compiler makes of the whole step, which segments timed alone do
+not; it needs the state in host memory). Activations are the residuals
 the forward pass saves for the backward pass. With --validate, a small
 model is also planned for this machine (its cxl tier EMULATED behind
---validate_link) and run: predicted and measured step times are printed.
+--validate_link, each transfer holding the link for the copy engine's
+measured round trip) and run: the step time predicted from measured and
+from timed-alone compute, and the measured one, are printed.
 
   python -m experiments.plan --model=gpt2:medium --batch=8 --seq_len=1024 \
       --device_memory=80GiB --device_tflops=400 --host_link=64GB/s \
@@ -42,6 +48,7 @@ import optax
 
 import jcxl
 from jcxl._src import compute_estimate
+from jcxl._src import compute_measure
 from jcxl._src import costmodel
 from jcxl._src import jax_compat
 from jcxl._src import schedule as schedule_lib
@@ -93,6 +100,12 @@ _VALIDATE = flags.DEFINE_bool("validate", False,
 _VALIDATE_LINK = flags.DEFINE_string("validate_link", "1GB/s",
                                      "emulated cxl link for --validate",
                                      flag_values=FLAGS)
+_MEASURE_COMPUTE = flags.DEFINE_bool(
+    "measure_compute", False,
+    "measure each segment's compute in the step run here (sync, on a "
+    "throwaway host pool, on zeros: needs the state in host memory and a "
+    "dozen steps' time) instead of timing segments alone",
+    flag_values=FLAGS)
 _JSON_OUT = flags.DEFINE_string("json_out", "", "write results as JSON",
                                 flag_values=FLAGS)
 
@@ -123,12 +136,17 @@ class Config:
   run_validation: bool
   validate_link: float
   json_out: str
+  measure_compute: bool = False
+  hold_s: float = 0.0  # per transfer, holding its link (see costmodel.Link)
 
   def validate(self) -> None:
     if self.batch < 1 or self.seq_len < 1 or self.max_layers < 1:
       raise ValueError("--batch, --seq_len and --max_layers must be >= 1")
     if not (self.host_dram or self.cxl or self.nvme):
       raise ValueError("no pool tier: give --host_dram, --cxl or --nvme")
+    if self.measure_compute and self.device_tflops:
+      raise ValueError("--measure_compute measures this machine's device: "
+                       "give it or --device_tflops, not both")
 
 
 def config_from_flags() -> Config:
@@ -152,14 +170,14 @@ def config_from_flags() -> Config:
       run_validation=_VALIDATE.value,
       validate_link=parse_bandwidth(_VALIDATE_LINK.value,
                                     name="--validate_link"),
-      json_out=_JSON_OUT.value)
+      json_out=_JSON_OUT.value, measure_compute=_MEASURE_COMPUTE.value)
 
 
 def tiers_of(config: Config) -> list[tuple[str, costmodel.Link, int]]:
   """The pool's tiers as the device sees them, fastest first: each behind
   the host link, the CXL cards interleaved (their bandwidths add up)."""
   link = lambda bw: costmodel.Link(min(bw, config.host_link),
-                                   config.latency_s)
+                                   config.latency_s, config.hold_s)
   tiers = []
   if config.host_dram:
     tiers.append(("host", link(config.host_link), config.host_dram))
@@ -183,10 +201,11 @@ class Model:
 
 def abstract_model(family: str, model_config: Any, batch: int,
                    seq_len: int, compute_scale: float,
-                   timed: bool = False) -> Model:
-  """The model's train step as the planner sees it; `timed`: each
-  segment's work is compiled and timed on this machine's device (see
-  ``step_timeline``), else estimated from its equations."""
+                   compute: str = "estimated") -> Model:
+  """The model's train step as the planner sees it, its compute
+  "estimated" from its equations, each segment's work "timed" alone on
+  this machine's device (see ``step_timeline``), or "measured" in the
+  step run here (see ``compute_measure``)."""
   module = FAMILIES[family][0]
   params = jax.eval_shape(lambda: common.init_params(model_config))
   tx = optax.adamw(1e-4)
@@ -194,9 +213,13 @@ def abstract_model(family: str, model_config: Any, batch: int,
   data = jax.eval_shape(lambda: module.example_batch(
       model_config, batch_size=batch, seq_len=seq_len))
   loss_fn = module.make_loss(model_config)
-  segments, layer_bytes = step_timeline(
-      exp_common.make_train_step(loss_fn, tx), (params, opt_state), data,
-      timed=timed)
+  step = exp_common.make_train_step(loss_fn, tx)
+  if compute == "measured":
+    segments, layer_bytes = compute_measure.measured_timeline(
+        step, (params, opt_state), data)
+  else:
+    segments, layer_bytes = step_timeline(step, (params, opt_state), data,
+                                          timed=compute == "timed")
   segments = [dataclasses.replace(s, compute_s=s.compute_s * compute_scale)
               for s in segments]
   return Model(model_config, segments, layer_bytes,
@@ -310,17 +333,26 @@ def print_plan(title: str, model: Model, planned: dict) -> None:
 
 def validate_here(config: Config) -> dict:
   """Plans a small model for this machine and runs it: predicted vs
-  measured step time (the cxl tier EMULATED behind --validate_link)."""
+  measured step time (the cxl tier EMULATED behind --validate_link), the
+  compute measured in the step and timed segment by segment."""
   model_config = gpt2.tiny(vocab_size=4096, n_embd=128, n_layer=4, n_ctx=64)
-  # A transfer here also pays the copy engine's round trip (measured).
+  # Each transfer here also holds the link for the copy engine's round
+  # trip (measured).
   round_trip = transfer_estimate.round_trip_seconds()
   here = dataclasses.replace(
       config, host_dram=0, nvme=None, host_link=config.validate_link,
       cxl=((1 << 40, config.validate_link),), device_memory=1 << 30,
-      latency_s=config.latency_s + round_trip)
-  model = abstract_model("gpt2", model_config, 8, 64, 1.0, timed=True)
-  planned = plan_model(model, here)
+      hold_s=round_trip)
+  models = {compute: abstract_model("gpt2", model_config, 8, 64, 1.0,
+                                    compute=compute)
+            for compute in ("measured", "timed")}
+  planned = plan_model(models["measured"], here)
   choice = planned["choice"]
+  # The same plan on the segments timed alone.
+  alone = costmodel.simulate(
+      [dataclasses.replace(s, tier=planned["placement"].get(s.name, s.tier))
+       for s in models["timed"].segments],
+      choice.prefetch, planned["links"], choice.chunk_bytes).step_s
   link = jcxl.LinkModel(config.validate_link, config.latency_s)
   params = common.init_params(model_config)
   tx = optax.adamw(1e-4)
@@ -345,13 +377,15 @@ def validate_here(config: Config) -> dict:
   measured = statistics.median(times)
   predicted = choice.prediction.step_s
   print(f"\n== validation on this machine ({label}): gpt2 "
-        f"{model.params / 1e6:.1f}M, predicted {predicted * 1e3:.1f} ms, "
-        f"measured {measured * 1e3:.1f} ms (ratio "
-        f"{predicted / measured:.2f}; before the run, each segment's "
-        "compute timed here on zeros, the "
-        f"copy engine's round trip {round_trip * 1e6:.0f} us added to the "
-        "link's latency)")
-  return dict(label=label, predicted_s=predicted, measured_s=measured)
+        f"{models['measured'].params / 1e6:.1f}M, measured "
+        f"{measured * 1e3:.1f} ms; predicted before the run (each transfer "
+        f"holding the link for the copy engine's round trip, "
+        f"{round_trip * 1e6:.0f} us): {predicted * 1e3:.1f} ms (ratio "
+        f"{predicted / measured:.2f}) from each segment's compute measured in "
+        f"the sync step on a host pool, {alone * 1e3:.1f} ms (ratio "
+        f"{alone / measured:.2f}) from each segment timed alone")
+  return dict(label=label, predicted_s=predicted, predicted_alone_s=alone,
+              measured_s=measured)
 
 
 def run(config: Config) -> dict:
@@ -365,15 +399,19 @@ def run(config: Config) -> dict:
          f", this machine's {matmul_rate / 1e12:.3f} TFLOP/s") + "; tiers: " +
         ", ".join(f"{n} {format_bytes(c)} at {format_bandwidth(l.bandwidth)}"
                   for n, l, c in tiers))
-  # Segments are timed where the plan is for this machine's device; the
-  # depth search below needs memory alone, and is estimated.
-  print("compute: " + (
-      f"estimated from the step's equations at this machine's rates, "
-      f"scaled to {config.device_tflops:g} TFLOP/s" if config.device_tflops
-      else "each segment's work timed on this machine's device, on zeros"))
+  # Compute is timed or measured where the plan is for this machine's
+  # device; the depth search below needs memory alone, and is estimated.
+  compute = ("estimated" if config.device_tflops else
+             "measured" if config.measure_compute else "timed")
+  print("compute: " + {
+      "estimated": "estimated from the step's equations at this machine's "
+                   f"rates, scaled to {config.device_tflops:g} TFLOP/s",
+      "timed": "each segment's work timed alone on this machine's device, "
+               "on zeros",
+      "measured": "each segment's compute measured in the sync step run "
+                  "on this machine's device, on zeros"}[compute])
   model = abstract_model(config.family, model_config, config.batch,
-                         config.seq_len, scale,
-                         timed=not config.device_tflops)
+                         config.seq_len, scale, compute=compute)
   results: dict[str, Any] = {"model": f"{config.family}:{config.preset}",
                              "params": model.params}
   try:

@@ -42,6 +42,21 @@ class SimulateTest:
     assert pred.stall_s[1] == 0.0  # b's 1 ms fetch ran during a's 10 ms
     assert pred.peak_prefetch_bytes == 1 * MiB
 
+  def test_hold_keeps_the_link_and_latency_does_not(self):
+    # Three fetches issued at once, all needed only after compute that
+    # hides their bytes: a latency overlaps the next fetch's bytes, a hold
+    # does not.
+    segments = [seg("start", 0, 0.001), seg("a", MiB, 0.0),
+                seg("b", MiB, 0.0), seg("c", MiB, 0.0)]
+    prefetch = {"a": 1, "b": 2, "c": 3}
+    transfer = MiB / 1e9
+    delayed = costmodel.simulate(
+        segments, prefetch, {"cxl": costmodel.Link(1e9, latency_s=0.002)})
+    held = costmodel.simulate(
+        segments, prefetch, {"cxl": costmodel.Link(1e9, hold_s=0.002)})
+    assert delayed.step_s == pytest.approx(3 * transfer + 0.002)
+    assert held.step_s == pytest.approx(3 * (transfer + 0.002))
+
   def test_urgent_fetch_overtakes_queued_chunks(self):
     # c (needed later, issued first) is chunked; b (needed first) must not
     # wait behind all of it.

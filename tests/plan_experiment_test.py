@@ -29,6 +29,14 @@ class PlanExperimentTest:
     assert results["largest"]["layers"] > 2  # the tiny preset has 2
     assert "predicted step" in out and "largest that fits" in out
 
+  def test_compute_measured_in_the_step(self, run_program, capsys):
+    results = run_program("--model=gpt2:tiny", "--batch=2", "--seq_len=32",
+                          "--device_memory=64MiB", "--cxl=2MiB@4GB/s",
+                          "--measure_compute", "--max_layers=4")
+    out = capsys.readouterr().out
+    assert "measured in the sync step" in out
+    assert results["predicted_step_s"] > 0
+
   def test_device_too_small_is_reported(self, run_program):
     results = run_program("--model=gpt2:tiny", "--device_memory=1KiB",
                           "--cxl=1GiB@4GB/s")
@@ -42,6 +50,7 @@ class PlanExperimentTest:
       (["--cxl=64GiB"], "capacity@bandwidth"),
       (["--cxl=", "--host_dram=0"], "no pool tier"),
       (["--device_memory=lots"], "device_memory"),
+      (["--measure_compute", "--device_tflops=100"], "not both"),
   ])
   def test_bad_flags(self, run_program, args, message):
     with pytest.raises((app.UsageError, ValueError), match=message):

@@ -65,12 +65,20 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-  """A tier's link as the planner sees it: bandwidth and latency."""
-  bandwidth: float  # bytes per second
-  latency_s: float = 0.0
+  """A tier's link as the planner sees it.
 
-  def seconds(self, nbytes: int) -> float:
-    return nbytes / self.bandwidth + self.latency_s
+  Attributes:
+    bandwidth: bytes per second.
+    latency_s: delay of each transfer that does not hold the link (the
+      next transfer moves meanwhile).
+    hold_s: time each chunk holds the link beyond its bytes: the copy
+      engine's own work per transfer (waking a copy thread, handing the
+      bytes over), where its threads share the host's cores with the
+      compute (XLA:CPU) and so cannot overlap it with the next one.
+  """
+  bandwidth: float
+  latency_s: float = 0.0
+  hold_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +154,7 @@ class _LinkQueue:
         return
       _, _, rid = self.queue[0]
       piece = min(self.left[rid], max(1, self.chunk[rid]))
-      self.time += piece / self.link.bandwidth
+      self.time += piece / self.link.bandwidth + self.link.hold_s
       self.left[rid] -= piece
       if self.left[rid] == 0:
         heapq.heappop(self.queue)

@@ -693,14 +693,24 @@ class OffloadedStep:
     return entry
 
   def __call__(self, *args):
+    return self._call(args, measure=False)
+
+  def measured_call(self, *args) -> tuple[Any, profile_lib.StepProfile]:
+    """Runs one step measured, whatever the schedule: its results, and
+    what it did (each segment's compute, its waits; see StepProfile)."""
+    results = self._call(args, measure=True)
+    return results, self.last_profile
+
+  def _call(self, args: tuple[Any, ...], measure: bool) -> Any:
     args = self._place_inputs(args)
     entry = self._entry(args)
     self._plan = entry.plan
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     after_other = OffloadedStep._ran_last not in (None, self._identity)
     OffloadedStep._ran_last = self._identity
-    measure = self.tuner is not None and self.tuner.wants_measurement(
+    wanted = self.tuner is not None and self.tuner.wants_measurement(
         after_other)
+    measure = measure or wanted
     if measure:
       jax.block_until_ready(self._last_results)
       # Waits of earlier steps belong to them. Forgotten, not drained: up
@@ -718,7 +728,7 @@ class OffloadedStep:
           self._collect(), self._first_device, window, self._segments)
     if self.tuner:
       version = self.tuner.version
-      self.tuner.step_done(self.last_profile if measure else None)
+      self.tuner.step_done(self.last_profile if wanted else None)
       # `plan` is the one the next step runs, when it is compiled already
       # (a race moving on, or settling on the plan it keeps).
       following = (self._compiled.get(self._cache_key(args))
