@@ -24,8 +24,7 @@ from typing import Any
 from jcxl._src import costmodel
 from jcxl._src.units import format_bytes
 
-# DeepSpeed ZeRO-3's stage3_prefetch_bucket_size default, in elements.
-DEEPSPEED_PREFETCH_BUCKET = 50_000_000
+DEEPSPEED_PREFETCH_BUCKET = costmodel.DEEPSPEED_PREFETCH_BUCKET
 
 
 @dataclasses.dataclass(frozen=True)
