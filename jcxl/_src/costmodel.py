@@ -21,13 +21,9 @@ from collections.abc import Mapping, Sequence
 
 from jcxl._src.units import format_bytes
 
-# What the planner may choose per layer. Its search deepens a layer one
-# step at a time up to MAX_PREFETCH; a start may be deeper (the bucket's).
-# Chunks below the pool's default (4 MiB) measured slower here (per-chunk
-# costs the model does not have).
+# What the planner may choose per layer. Chunks below the pool's default
+# (4 MiB) measured slower here (per-chunk costs the model does not have).
 MAX_PREFETCH = 8
-# DeepSpeed ZeRO-3's stage3_prefetch_bucket_size default, in elements.
-DEEPSPEED_PREFETCH_BUCKET = 50_000_000
 MIN_CHUNK = 4 << 20
 MAX_CHUNK = 64 << 20
 # A deeper prefetch must buy at least this fraction of the step time.
@@ -265,23 +261,19 @@ def plan(segments: Sequence[Segment], links: Mapping[str, Link], *,
   whose deeper prefetch shortens the step most, while that fits; then
   shallow each layer back as far as the step time does not grow, so no
   layer holds device memory it does not need. The same from every layer k
-  ahead (k = 1, 2, 4, .. `max_prefetch`) and from DeepSpeed's bucket of 5e7
-  elements (as deep as the budget allows): one layer deeper at a time
-  finds no gain where only deepening many together pays (a link-bound step
-  whose link idles at its start). The fastest wins; `start`'s unless
-  another is faster by more than a rounding.
+  ahead (k = 1, 2, 4, .. `max_prefetch`): one layer deeper at a time finds no
+  gain where only deepening many together pays (a link-bound step whose
+  link idles at its start). The fastest wins; `start`'s unless another is
+  faster by more than a rounding.
   """
   names = list(dict.fromkeys(s.name for s in segments if s.nbytes))
   best = _greedy(segments, links, prefetch_budget, max_prefetch, start)
-  starts = [(f"from every layer {k} ahead", {n: k for n in names})
-            for k in _uniform_starts(max_prefetch)]
-  starts.append(("from DeepSpeed's prefetch bucket (5e7 elements)",
-                 bucket_prefetch(segments, DEEPSPEED_PREFETCH_BUCKET)))
-  for what, prefetch in starts:
+  for k in _uniform_starts(max_prefetch):
     choice = _greedy(segments, links, prefetch_budget, max_prefetch,
-                     prefetch)
+                     {n: k for n in names})
     if choice.prediction.step_s < best.prediction.step_s * (1 - _MIN_GAIN):
-      best = dataclasses.replace(choice, reasons=(what,) + choice.reasons)
+      best = dataclasses.replace(choice, reasons=(
+          f"from every layer {k} ahead",) + choice.reasons)
   return best
 
 
@@ -313,8 +305,7 @@ def _greedy(segments: Sequence[Segment], links: Mapping[str, Link],
       lengths[s.name] = max(lengths.get(s.name, 0),
                             sequence_length[s.sequence] - 1)
   chunks = choose_chunks(segments, links)
-  # A start may be deeper than the search climbs, not than its sequence.
-  prefetch = {n: min((start or {}).get(n, 0), lengths[n]) for n in names}
+  prefetch = {n: min((start or {}).get(n, 0), max_prefetch) for n in names}
 
   def fits(p):
     return (prefetch_budget is None or
@@ -347,18 +338,13 @@ def _greedy(segments: Sequence[Segment], links: Mapping[str, Link],
         f"{trial[2]}: prefetch {prefetch[trial[2]]} (stall "
         f"{stall[trial[2]] * 1e3:.2f} ms -> "
         f"{best.stall_by_layer(segments).get(trial[2], 0) * 1e3:.2f} ms)")
-  for name in names:  # the shallowest distance as fast, by bisection
-    lo, hi = 0, prefetch[name]  # hi is known to be as fast
-    while lo < hi:
-      mid = (lo + hi) // 2
-      p = dict(prefetch, **{name: mid})
+  for name in names:
+    while prefetch[name] > 0:
+      p = dict(prefetch, **{name: prefetch[name] - 1})
       pred = simulate(segments, p, links, chunks)
       if pred.step_s > best.step_s * (1 + _MIN_GAIN / 4):
-        lo = mid + 1
-      else:
-        hi, shallower = mid, (p, pred)
-    if hi < prefetch[name]:
-      prefetch, best = shallower
+        break
+      prefetch, best = p, pred
   if not reasons:
     reasons.append("no deeper prefetch shortens the step "
                    + ("within the budget" if prefetch_budget is not None

@@ -24,7 +24,8 @@ from typing import Any
 from jcxl._src import costmodel
 from jcxl._src.units import format_bytes
 
-DEEPSPEED_PREFETCH_BUCKET = costmodel.DEEPSPEED_PREFETCH_BUCKET
+# DeepSpeed ZeRO-3's stage3_prefetch_bucket_size default, in elements.
+DEEPSPEED_PREFETCH_BUCKET = 50_000_000
 
 
 @dataclasses.dataclass(frozen=True)
