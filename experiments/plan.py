@@ -237,12 +237,18 @@ def hide_seconds(segments: Sequence[costmodel.Segment]) -> dict[str, float]:
   return out
 
 
+def placed(segments: Sequence[costmodel.Segment],
+           placement: dict[str, str]) -> list[costmodel.Segment]:
+  """The segments, each fetched from the tier its layer is placed in."""
+  return [dataclasses.replace(s, tier=placement.get(s.name, s.tier))
+          for s in segments]
+
+
 def plan_model(model: Model, config: Config) -> dict:
   tiers = tiers_of(config)
   placement = costmodel.choose_tiers(model.layer_bytes,
                                      hide_seconds(model.segments), tiers)
-  segments = [dataclasses.replace(s, tier=placement.get(s.name, s.tier))
-              for s in model.segments]
+  segments = placed(model.segments, placement)
   links = {name: link for name, link, _ in tiers}
   # On the device: activations, and (as the runtime holds them) the layer
   # in use and the one being written back; prefetch gets the rest.
@@ -350,8 +356,7 @@ def validate_here(config: Config) -> dict:
   choice = planned["choice"]
   # The same plan on the segments timed alone.
   alone = costmodel.simulate(
-      [dataclasses.replace(s, tier=planned["placement"].get(s.name, s.tier))
-       for s in models["timed"].segments],
+      placed(models["timed"].segments, planned["placement"]),
       choice.prefetch, planned["links"], choice.chunk_bytes).step_s
   link = jcxl.LinkModel(config.validate_link, config.latency_s)
   params = common.init_params(model_config)

@@ -1,5 +1,7 @@
 """Each segment's compute measured in the offloaded step itself."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 import jcxl
 from jcxl._src import compute_measure
 from jcxl._src import registry
+from jcxl._src.transform import OffloadedStep
 from jcxl._src.transform import step_timeline
 
 
@@ -62,6 +65,20 @@ class MeasuredTimelineTest:
     before = [id(p) for p in registry.open_pools()]
     compute_measure.measured_timeline(step, state, x, steps=1)
     assert [id(p) for p in registry.open_pools()] == before
+
+  def test_unmatched_boundaries_are_a_clear_error(self, monkeypatch):
+    # A profile whose waits did not match the timeline has no segment
+    # times (see profile.profile_step): nothing is made up for them.
+    measured = OffloadedStep.measured_call
+
+    def unmatched(self, *args):
+      results, profile = measured(self, *args)
+      return results, dataclasses.replace(profile, segment_compute_s=None)
+
+    monkeypatch.setattr(OffloadedStep, "measured_call", unmatched)
+    step, state, x = uneven_step()
+    with pytest.raises(RuntimeError, match="did not match its timeline"):
+      compute_measure.measured_timeline(step, state, x, steps=1)
 
   def test_bad_steps(self):
     step, state, x = uneven_step()

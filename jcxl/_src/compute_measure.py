@@ -11,8 +11,8 @@ throwaway host pool, run on zeros, and each segment's compute read from
 its waits, as the adaptive schedule measures a running step. What the
 links add is then the cost model's to predict, for any plan and any tiers.
 
-It needs the step's state in host memory and a few steps' time: a model
-larger than that is planned from timed segments (``step_timeline``).
+It needs the step's state in host memory and a few steps' time: plan a
+model larger than that from timed segments (``step_timeline``).
 """
 
 from __future__ import annotations
