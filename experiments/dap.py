@@ -80,6 +80,12 @@ BATCHES = {"gpt2_bigvocab": 8, "wide_narrow": 256, "one_big": 256}
 SCHEDULES = ("sync", "fixed:1", "fixed:2", "fixed:3", "bucket", "dap")
 # DAP's tuned plan run as a fixed plan: DAP's measuring is what differs.
 UNMEASURED = "dap plan, unmeasured"
+# The issue's target: DAP's step within 3% of the best fixed distance.
+TARGET_RATIO = 1.03
+# Fixed distances whose paired ratio DAP's first rounds put at least this
+# high run the confirming rounds (those DAP beat by more are settled).
+CONTENDER_RATIO = 0.95
+CONFIRM_BATCH = 8
 
 _MODELS = flags.DEFINE_list("models", list(MODELS), "models to run",
                             flag_values=FLAGS)
@@ -101,6 +107,12 @@ _BLOCK_STEPS = flags.DEFINE_integer(
     "steps back to back ran up to 25% faster than steps that alternate "
     "between plans; 1 alternates them)",
     flag_values=FLAGS)
+_CONFIRM_ROUNDS = flags.DEFINE_integer(
+    "confirm_rounds", 48, "most extra rounds, after --steps, of DAP, its "
+    "plan unmeasured and the fixed distances the first rounds could not "
+    "tell it apart from, run in batches of 8 until the 90% interval of "
+    "DAP's paired ratio over them lies on one side of the 3% target (0: "
+    "none)", flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
     "tune_steps", 200, "most untimed steps DAP may tune for (twice that to "
     "re-plan after the link slows)", flag_values=FLAGS)
@@ -132,6 +144,7 @@ class Config:
   latency_s: float
   schedules: tuple[str, ...]
   steps: int
+  confirm_rounds: int
   tune_steps: int
   block_steps: int
   device_budget: int
@@ -157,6 +170,9 @@ class Config:
     if self.steps < 1 or self.tune_steps < 1 or self.block_steps < 1:
       raise ValueError("--steps, --tune_steps and --block_steps must be "
                        ">= 1")
+    if self.confirm_rounds < 0:
+      raise ValueError(f"--confirm_rounds must be >= 0, got "
+                       f"{self.confirm_rounds}")
     if self.slowdown and self.slowdown < 1:
       raise ValueError(f"--slowdown must be >= 1 (or 0), got {self.slowdown}")
 
@@ -167,7 +183,8 @@ def config_from_flags() -> Config:
       bandwidths=tuple(parse_bandwidth(b, name="--bandwidths")
                        for b in _BANDWIDTHS.value),
       latency_s=_LATENCY_US.value * 1e-6, schedules=tuple(_SCHEDULES.value),
-      steps=_STEPS.value, tune_steps=_TUNE_STEPS.value,
+      steps=_STEPS.value, confirm_rounds=_CONFIRM_ROUNDS.value,
+      tune_steps=_TUNE_STEPS.value,
       block_steps=_BLOCK_STEPS.value,
       device_budget=parse_bytes(_BUDGET.value, name="--device_budget"),
       tight_models=tuple(_TIGHT_MODELS.value),
@@ -246,6 +263,52 @@ def _interleaved(runs: dict[str, list], batch, rounds: int, order,
   return times
 
 
+def _fixed(names) -> list[str]:
+  """The fixed prefetch distances among `names` (sync is distance 0)."""
+  return [n for n in names if n.startswith("fixed") or n == "sync"]
+
+
+def _confirm(runs: dict[str, list], times: dict[str, list[float]], batch,
+             config: Config) -> int:
+  """Runs more interleaved rounds (appended to `times`) of DAP, its plan
+  unmeasured and the fixed distances whose paired ratio the rounds so far
+  put at CONTENDER_RATIO or more, CONFIRM_BATCH at a time, until the 90%
+  interval of DAP's largest paired ratio over them lies on one side of
+  TARGET_RATIO or `config.confirm_rounds` were run. Where every plan runs
+  within a few percent of the others, the first rounds cannot tell a 3%
+  gap from the machine's noise; more rounds of the close ones can. Returns
+  the rounds added."""
+  contenders = [s for s in _fixed(times) if exp_common.worst_paired_ratio(
+      times["dap"], {s: times[s]})["ratio"] >= CONTENDER_RATIO]
+  group = {s: runs[s] for s in ["dap", UNMEASURED] + contenders if s in runs}
+  added = 0
+  while contenders and added < config.confirm_rounds:
+    verdict = exp_common.worst_paired_ratio(
+        times["dap"], {s: times[s] for s in contenders})
+    if verdict["high"] < TARGET_RATIO or verdict["low"] > TARGET_RATIO:
+      break
+    n = min(CONFIRM_BATCH, config.confirm_rounds - added)
+    first = len(times["dap"])  # fresh orders, not the first rounds' again
+    more = _interleaved(group, batch, n,
+                        lambda names, r: exp_common.shuffled(names, first + r),
+                        config.block_steps)
+    for name, t in more.items():
+      times[name] += t
+    added += n
+  return added
+
+
+def _paired_over(times: list[float], others: dict[str, list[float]]) -> dict:
+  """`exp_common.worst_paired_ratio` where some of `others` also ran the
+  confirming rounds: each is paired with the rounds of `times` it shares
+  (the first ones, or all), and the largest verdict is kept."""
+  by_rounds: dict[int, dict[str, list[float]]] = {}
+  for name, t in others.items():
+    by_rounds.setdefault(len(t), {})[name] = t
+  return max((exp_common.worst_paired_ratio(times[:n], group)
+              for n, group in by_rounds.items()), key=lambda v: v["ratio"])
+
+
 def _tune(step, state, batch, limit) -> tuple[int, Any, list]:
   """Runs untimed steps until DAP converges; returns the steps taken, the
   state, and the first measured step's profile and the last one of the
@@ -296,10 +359,14 @@ def run_case(case: Case, bandwidth: float, budget: int,
         over[schedule] = runs.pop(schedule)
     times = _interleaved(runs, case.batch, config.steps, exp_common.shuffled,
                          config.block_steps)
+    confirmed = _confirm(runs, times, case.batch, config)
     tuner = runs["dap"][0].tuner
     rows = []
     for schedule, (step, state, tuned) in {**runs, **over}.items():
-      median = statistics.median(times[schedule]) if schedule in runs else None
+      # Medians over the rounds every schedule ran (comparable); the
+      # confirming rounds go into the paired ratios.
+      median = (statistics.median(times[schedule][:config.steps])
+                if schedule in runs else None)
       need = step.device_need(*state, case.batch)
       prefetch = ({l.name: l.prefetch for l in step.plan.layers}
                   if schedule in runs else None)
@@ -310,6 +377,7 @@ def run_case(case: Case, bandwidth: float, budget: int,
                        budget_mib=budget / 2**20, schedule=schedule,
                        step_ms=_ms(median), predicted_ms=_ms(predicted),
                        round_ms=[t * 1e3 for t in times.get(schedule, [])],
+                       confirm_rounds=confirmed,
                        offline_predicted_ms=_ms(offline.get("measured")),
                        offline_alone_predicted_ms=_ms(offline.get("alone")),
                        device_need=need, within_budget=need <= budget,
@@ -398,23 +466,24 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
   out = []
   for name, group in _cases(rows, config).items():
     ran = [r for r in group if r["step_ms"] is not None]
-    fixed = [r for r in ran if r["schedule"].startswith("fixed")
-             or r["schedule"] == "sync"]
+    fixed_names = _fixed(r["schedule"] for r in ran)
+    fixed = [r for r in ran if r["schedule"] in fixed_names]
     dap = next(r for r in group if r["schedule"] == "dap")
     best = min(fixed, key=lambda r: r["step_ms"]) if fixed else None
-    paired = exp_common.worst_paired_ratio(
+    paired = _paired_over(
         dap["round_ms"], {r["schedule"]: r["round_ms"] for r in fixed}
     ) if fixed else None
     # Against the one fixed distance with the lowest median: the largest
     # of several noisy medians above sits over 1 even where DAP runs the
     # same plan as all of them.
-    paired_best = exp_common.worst_paired_ratio(
+    paired_best = _paired_over(
         dap["round_ms"], {best["schedule"]: best["round_ms"]}
     ) if fixed else None
     plain = next((r for r in ran if r["schedule"] == UNMEASURED), None)
     stall = stalls.get(name, {})
     out.append(dict(
         case=name, dap_ms=dap["step_ms"],
+        confirm_rounds=dap["confirm_rounds"],
         best_fixed=best["schedule"] if best else None,
         best_fixed_ms=best["step_ms"] if best else None,
         dap_over_best_fixed=(dap["step_ms"] / best["step_ms"]
@@ -435,7 +504,7 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
                                          dap["step_ms"]),
         # The same plan against itself (DAP's measuring aside): how far
         # apart two runs of one plan come out here, round by round.
-        dap_over_unmeasured=(exp_common.worst_paired_ratio(
+        dap_over_unmeasured=(_paired_over(
             dap["round_ms"], {UNMEASURED: plain["round_ms"]})
                              if plain else None),
         stall_before=(stall["before"].stall_fraction if stall else None),
@@ -476,20 +545,26 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
           "the largest of them, with a 90% bootstrap interval over rounds; "
           "and the same against the fixed distance with the lowest median "
           "alone. DAP against its own plan unmeasured, paired: how far apart "
-          "two runs of one plan come out.",
+          "two runs of one plan come out. Confirming rounds: run after the "
+          "first ones for DAP, its plan unmeasured and the fixed distances "
+          f"those put at {CONTENDER_RATIO:g} of DAP or closer, until the 90% "
+          f"interval lay on one side of {TARGET_RATIO:g} (or the limit); "
+          "the paired ratios use them, the medians do not.",
           "",
-          "| case | dap ms | best fixed | ms | dap / best fixed, medians | "
+          "| case | confirming rounds | dap ms | best fixed | ms | "
+          "dap / best fixed, medians | "
           "dap / every fixed, paired, the largest [90%] | dap / best fixed, "
           "paired [90%] | dap faster than every fixed "
           "(paired, interval below 1) | fixed over budget | dap predicted "
           "/ measured | offline | offline, alone | dap / its plan "
           "unmeasured, paired [90%] | stall before -> after tuning |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for c in summary:
     stall = (f"{c['stall_before']:.1%} -> {c['stall_after']:.1%}"
              if c["stall_before"] is not None else "-")
     out.append(
-        f"| {c['case']} | {c['dap_ms']:.2f} | {c['best_fixed']} | "
+        f"| {c['case']} | {c['confirm_rounds']} | {c['dap_ms']:.2f} | "
+        f"{c['best_fixed']} | "
         f"{c['best_fixed_ms']:.2f} | {c['dap_over_best_fixed']:.3f} | "
         f"{_paired(c['dap_paired'])} | {_paired(c['dap_paired_best'])} | "
         f"{'yes' if c['dap_beats_every_fixed'] else 'no'} | "
@@ -587,7 +662,8 @@ def run(config: Config) -> dict:
            f" GB/s, {config.latency_s * 1e6:g} us per transfer); "
            f"{os.cpu_count()} cores, XLA:CPU as the device; {config.steps} "
            f"rounds of {config.block_steps} step(s) of each schedule back "
-           "to back, the last timed")
+           "to back, the last timed, then up to "
+           f"{config.confirm_rounds} confirming rounds of the close ones")
   with open(os.path.join(config.run_dir, "results.csv"), "w",
             newline="", encoding="utf-8") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import time
 
 from absl import app
 import numpy as np
@@ -25,6 +26,7 @@ class DapExperimentTest:
     out = tmp_path / "run"
     results = run_program("--models=one_big", "--bandwidths=4GB/s",
                           "--schedules=sync,fixed:1,dap", "--steps=2",
+                          "--confirm_rounds=0",
                           "--tune_steps=8", "--slowdown=2",
                           "--slowdown_model=one_big",
                           "--tight_models=one_big",
@@ -102,6 +104,7 @@ class DapExperimentTest:
       (["--slowdown=0.5"], "--slowdown"),
       (["--slowdown_model=nope"], "--slowdown_model: unknown model"),
       (["--block_steps=0"], "--block_steps"),
+      (["--confirm_rounds=-1"], "--confirm_rounds"),
   ])
   def test_bad_flags(self, run_program, args, message):
     with pytest.raises(app.UsageError, match=message):
@@ -110,6 +113,69 @@ class DapExperimentTest:
   def test_bad_bandwidth_flag(self, run_program):
     with pytest.raises(app.UsageError, match="--bandwidths"):
       run_program("--bandwidths=fast")
+
+
+def _sleeper(seconds):
+  def step(count, batch):
+    time.sleep(seconds)
+    return count + 1, 0.0
+  return step
+
+
+class ConfirmTest:
+  """The confirming rounds: more rounds for the close fixed distances
+  alone, until the verdict on the 3% target is clear."""
+
+  def _runs(self):
+    return {name: [_sleeper(0.002), [0]]
+            for name in ("dap", dap.UNMEASURED, "fixed:1", "fixed:2")}
+
+  def _config(self, experiment, rounds):
+    return experiment(dap)(f"--confirm_rounds={rounds}", "--block_steps=1")
+
+  def test_close_ones_run_until_the_verdict_is_clear(self, experiment):
+    # First rounds that cannot tell DAP from fixed:1 (DAP 0.9x to 1.15x of
+    # it, round by round); fixed:2 is twice DAP's step.
+    noisy = [0.9, 1.15, 0.95, 1.1]
+    times = {"dap": [2e-3 * r for r in noisy],
+             dap.UNMEASURED: [2e-3] * 4, "fixed:1": [2e-3] * 4,
+             "fixed:2": [4e-3] * 4}
+    added = dap._confirm(self._runs(), times, None,
+                         self._config(experiment, 48))
+    assert added % dap.CONFIRM_BATCH == 0 and 0 < added <= 48
+    for name in ("dap", dap.UNMEASURED, "fixed:1"):
+      assert len(times[name]) == 4 + added
+    assert len(times["fixed:2"]) == 4  # settled: not run again
+    verdict = exp_common.worst_paired_ratio(
+        times["dap"], {"fixed:1": times["fixed:1"]})
+    if added < 48:  # it stopped because the interval cleared the target
+      assert (verdict["high"] < dap.TARGET_RATIO
+              or verdict["low"] > dap.TARGET_RATIO)
+
+  def test_limit_and_clear_verdicts(self, experiment):
+    noisy = {"dap": [2e-3, 2.4e-3, 1.6e-3, 2.6e-3],
+             dap.UNMEASURED: [2e-3] * 4, "fixed:1": [2e-3] * 4}
+    assert dap._confirm(self._runs(), noisy, None,
+                        self._config(experiment, 3)) == 3
+    assert len(noisy["dap"]) == 7
+    # DAP 10% slower in every round: clearly over the target, no rounds.
+    slow = {"dap": [2.2e-3] * 4, "fixed:1": [2e-3] * 4}
+    assert dap._confirm(self._runs(), slow, None,
+                        self._config(experiment, 48)) == 0
+    assert dap._confirm(self._runs(), dict(noisy), None,
+                        self._config(experiment, 0)) == 0
+
+  def test_paired_over_uses_the_rounds_each_shares(self):
+    # fixed:1 ran 2 confirming rounds more than fixed:2; each is paired
+    # with DAP's rounds it shares.
+    got = dap._paired_over([1.0, 1.0, 1.0, 3.0, 3.0],
+                           {"fixed:1": [1.0, 1.0, 1.0, 3.0, 3.0],
+                            "fixed:2": [0.5, 0.5, 0.5]})
+    assert got["against"] == "fixed:2" and got["ratio"] == pytest.approx(2)
+    got = dap._paired_over([1.0, 1.0, 1.0, 1.1, 1.1],
+                           {"fixed:1": [1.0, 1.0, 1.0, 1.0, 1.0],
+                            "fixed:2": [2.0, 2.0, 2.0]})
+    assert got["against"] == "fixed:1" and got["ratio"] == pytest.approx(1)
 
 
 class WorstPairedRatioTest:
