@@ -18,6 +18,13 @@ budget (what their sync step needs plus --tight_headroom): a fixed
 distance whose step needs more is reported as over budget and not run,
 while DAP plans per layer within it.
 
+The schedules run in interleaved rounds (--steps of them, --block_steps
+steps of each schedule a round, the last timed), each round's ratio DAP /
+other cancelling the machine's load in that round. Where the first rounds
+leave a fixed distance within 5% of DAP, DAP, its plan unmeasured and
+those distances run up to --confirm_rounds more, until the 90% interval
+of DAP's paired ratio lies on one side of the 3% target.
+
 Then, on --slowdown_model at the middle bandwidth, the link slows by
 --slowdown mid-run: the steps DAP takes to re-plan are counted and its step
 time compared with a DAP run tuned from scratch on the slow link.
