@@ -117,9 +117,9 @@ _BLOCK_STEPS = flags.DEFINE_integer(
 _CONFIRM_ROUNDS = flags.DEFINE_integer(
     "confirm_rounds", 48, "most extra rounds, after --steps, of DAP, its "
     "plan unmeasured and the fixed distances the first rounds could not "
-    "tell it apart from, run in batches of 8 until the 90% interval of "
-    "DAP's paired ratio over them lies on one side of the 3% target (0: "
-    "none)", flag_values=FLAGS)
+    f"tell it apart from, run in batches of {CONFIRM_BATCH} until the 90% "
+    "interval of DAP's paired ratio over them lies on one side of "
+    f"{TARGET_RATIO:g} (0: none)", flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
     "tune_steps", 200, "most untimed steps DAP may tune for (twice that to "
     "re-plan after the link slows)", flag_values=FLAGS)
@@ -270,9 +270,9 @@ def _interleaved(runs: dict[str, list], batch, rounds: int, order,
   return times
 
 
-def _fixed(names) -> list[str]:
-  """The fixed prefetch distances among `names` (sync is distance 0)."""
-  return [n for n in names if n.startswith("fixed") or n == "sync"]
+def _is_fixed(schedule: str) -> bool:
+  """Whether `schedule` is a fixed prefetch distance (sync is distance 0)."""
+  return schedule.startswith("fixed") or schedule == "sync"
 
 
 def _confirm(runs: dict[str, list], times: dict[str, list[float]], batch,
@@ -285,8 +285,9 @@ def _confirm(runs: dict[str, list], times: dict[str, list[float]], batch,
   within a few percent of the others, the first rounds cannot tell a 3%
   gap from the machine's noise; more rounds of the close ones can. Returns
   the rounds added."""
-  contenders = [s for s in _fixed(times) if exp_common.worst_paired_ratio(
-      times["dap"], {s: times[s]})["ratio"] >= CONTENDER_RATIO]
+  contenders = [s for s in times if _is_fixed(s) and
+                exp_common.worst_paired_ratio(
+                    times["dap"], {s: times[s]})["ratio"] >= CONTENDER_RATIO]
   group = {s: runs[s] for s in ["dap", UNMEASURED] + contenders if s in runs}
   added = 0
   while contenders and added < config.confirm_rounds:
@@ -473,8 +474,7 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
   out = []
   for name, group in _cases(rows, config).items():
     ran = [r for r in group if r["step_ms"] is not None]
-    fixed_names = _fixed(r["schedule"] for r in ran)
-    fixed = [r for r in ran if r["schedule"] in fixed_names]
+    fixed = [r for r in ran if _is_fixed(r["schedule"])]
     dap = next(r for r in group if r["schedule"] == "dap")
     best = min(fixed, key=lambda r: r["step_ms"]) if fixed else None
     paired = _paired_over(
