@@ -13,6 +13,11 @@ cost model's predicted step time (from what the DAP run measured):
 * ``dap plan, unmeasured``: DAP's tuned plan run as a fixed plan, so that
   dap against it is what DAP's measuring costs.
 
+After the rounds, DAP's plan (unmeasured) runs --solo_steps steps by
+itself, back to back, as a plan runs in production: the predictions are
+also checked against that step, since in the rounds each step follows
+other programs' steps on other state.
+
 The --tight_models also run at the middle bandwidth with a tight device
 budget (what their sync step needs plus --tight_headroom): a fixed
 distance whose step needs more is reported as over budget and not run,
@@ -120,6 +125,10 @@ _CONFIRM_ROUNDS = flags.DEFINE_integer(
     f"tell it apart from, run in batches of {CONFIRM_BATCH} until the 90% "
     "interval of DAP's paired ratio over them lies on one side of "
     f"{TARGET_RATIO:g} (0: none)", flag_values=FLAGS)
+_SOLO_STEPS = flags.DEFINE_integer(
+    "solo_steps", 12, "steps DAP's tuned plan runs by itself, back to back "
+    "and after 2 untimed ones, once the rounds are done: the run the "
+    "predictions are also checked against (0: none)", flag_values=FLAGS)
 _TUNE_STEPS = flags.DEFINE_integer(
     "tune_steps", 200, "most untimed steps DAP may tune for (twice that to "
     "re-plan after the link slows)", flag_values=FLAGS)
@@ -152,6 +161,7 @@ class Config:
   schedules: tuple[str, ...]
   steps: int
   confirm_rounds: int
+  solo_steps: int
   tune_steps: int
   block_steps: int
   device_budget: int
@@ -177,9 +187,10 @@ class Config:
     if self.steps < 1 or self.tune_steps < 1 or self.block_steps < 1:
       raise ValueError("--steps, --tune_steps and --block_steps must be "
                        ">= 1")
-    if self.confirm_rounds < 0:
-      raise ValueError(f"--confirm_rounds must be >= 0, got "
-                       f"{self.confirm_rounds}")
+    for flag, value in (("--confirm_rounds", self.confirm_rounds),
+                        ("--solo_steps", self.solo_steps)):
+      if value < 0:
+        raise ValueError(f"{flag} must be >= 0, got {value}")
     if self.slowdown and self.slowdown < 1:
       raise ValueError(f"--slowdown must be >= 1 (or 0), got {self.slowdown}")
 
@@ -191,6 +202,7 @@ def config_from_flags() -> Config:
                        for b in _BANDWIDTHS.value),
       latency_s=_LATENCY_US.value * 1e-6, schedules=tuple(_SCHEDULES.value),
       steps=_STEPS.value, confirm_rounds=_CONFIRM_ROUNDS.value,
+      solo_steps=_SOLO_STEPS.value,
       tune_steps=_TUNE_STEPS.value,
       block_steps=_BLOCK_STEPS.value,
       device_budget=parse_bytes(_BUDGET.value, name="--device_budget"),
@@ -368,6 +380,12 @@ def run_case(case: Case, bandwidth: float, budget: int,
     times = _interleaved(runs, case.batch, config.steps, exp_common.shuffled,
                          config.block_steps)
     confirmed = _confirm(runs, times, case.batch, config)
+    solo = {}
+    if config.solo_steps and UNMEASURED in runs:
+      run_ = runs[UNMEASURED]
+      _, run_[1] = _timed(run_[0], run_[1], case.batch, 2)  # back on it
+      solo[UNMEASURED], run_[1] = _timed(run_[0], run_[1], case.batch,
+                                          config.solo_steps)
     tuner = runs["dap"][0].tuner
     rows = []
     for schedule, (step, state, tuned) in {**runs, **over}.items():
@@ -384,6 +402,7 @@ def run_case(case: Case, bandwidth: float, budget: int,
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
                        budget_mib=budget / 2**20, schedule=schedule,
                        step_ms=_ms(median), predicted_ms=_ms(predicted),
+                       solo_ms=_ms(solo.get(schedule)),
                        round_ms=[t * 1e3 for t in times.get(schedule, [])],
                        confirm_rounds=confirmed,
                        offline_predicted_ms=_ms(offline.get("measured")),
@@ -400,6 +419,12 @@ def run_case(case: Case, bandwidth: float, budget: int,
 
 def _ms(seconds: float | None) -> float | None:
   return None if seconds is None else seconds * 1e3
+
+
+def _over(predicted_ms: float, plain: dict | None) -> float | None:
+  """`predicted_ms` over the plan's step run by itself (None: not run)."""
+  solo = plain and plain["solo_ms"]
+  return predicted_ms / solo if solo else None
 
 
 def sync_need(case: Case) -> int:
@@ -509,6 +534,10 @@ def summarize(rows: list[dict], stalls: dict, config: Config) -> list[dict]:
                                    dap["step_ms"]),
         dap_offline_alone_over_measured=(dap["offline_alone_predicted_ms"] /
                                          dap["step_ms"]),
+        # The same predictions against DAP's plan run by itself.
+        plan_solo_ms=plain["solo_ms"] if plain else None,
+        dap_predicted_over_solo=_over(dap["predicted_ms"], plain),
+        dap_offline_over_solo=_over(dap["offline_predicted_ms"], plain),
         # The same plan against itself (DAP's measuring aside): how far
         # apart two runs of one plan come out here, round by round.
         dap_over_unmeasured=(_paired_over(
@@ -556,16 +585,21 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
           "first ones for DAP, its plan unmeasured and the fixed distances "
           f"those put at {CONTENDER_RATIO:g} of DAP or closer, until the 90% "
           f"interval lay on one side of {TARGET_RATIO:g} (or the limit); "
-          "the paired ratios use them, the medians do not.",
+          "the paired ratios use them, the medians do not. DAP's plan by "
+          "itself: its unmeasured step's median over steps run back to "
+          "back after the rounds, nothing else running in between (as a "
+          "plan runs in production).",
           "",
           "| case | confirming rounds | dap ms | best fixed | ms | "
           "dap / best fixed, medians | "
           "dap / every fixed, paired, the largest [90%] | dap / best fixed, "
           "paired [90%] | dap faster than every fixed "
           "(paired, interval below 1) | fixed over budget | dap predicted "
-          "/ measured | offline | offline, alone | dap / its plan "
-          "unmeasured, paired [90%] | stall before -> after tuning |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "/ measured | offline | offline, alone | dap's plan by itself ms "
+          "| dap predicted / by itself | offline / by itself | dap / its "
+          "plan unmeasured, paired [90%] | stall before -> after tuning |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+          "---|---|"]
   for c in summary:
     stall = (f"{c['stall_before']:.1%} -> {c['stall_after']:.1%}"
              if c["stall_before"] is not None else "-")
@@ -579,6 +613,9 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
         f"{c['dap_predicted_over_measured']:.3f} | "
         f"{c['dap_offline_over_measured']:.3f} | "
         f"{c['dap_offline_alone_over_measured']:.3f} | "
+        f"{_number(c['plan_solo_ms'], '.2f')} | "
+        f"{_number(c['dap_predicted_over_solo'], '.3f')} | "
+        f"{_number(c['dap_offline_over_solo'], '.3f')} | "
         + f"{_paired(c['dap_over_unmeasured'])} | {stall} |")
   if slowdown:
     out += ["", f"Link slowdown ({slowdown['fast_gbps']:g} -> "
@@ -590,6 +627,10 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
             f"[{slowdown['after_over_fresh_low']:.3f}, "
             f"{slowdown['after_over_fresh_high']:.3f}])."]
   return "\n".join(out) + "\n"
+
+
+def _number(value: float | None, spec: str) -> str:
+  return "-" if value is None else format(value, spec)
 
 
 def _paired(paired: dict | None) -> str:

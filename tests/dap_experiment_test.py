@@ -26,7 +26,7 @@ class DapExperimentTest:
     out = tmp_path / "run"
     results = run_program("--models=one_big", "--bandwidths=4GB/s",
                           "--schedules=sync,fixed:1,dap", "--steps=2",
-                          "--confirm_rounds=0",
+                          "--confirm_rounds=0", "--solo_steps=3",
                           "--tune_steps=8", "--slowdown=2",
                           "--slowdown_model=one_big",
                           "--tight_models=one_big",
@@ -40,6 +40,11 @@ class DapExperimentTest:
                and float(r["offline_predicted_ms"]) > 0 for r in loose)
     assert all(r["within_budget"] == "True" for r in loose)
     assert all(len(r["round_ms"].split()) == 2 for r in loose)
+    # DAP's plan also ran by itself; the offline prediction is checked
+    # against that step too.
+    assert [r["schedule"] for r in loose if r["solo_ms"]] == [dap.UNMEASURED]
+    solo = float(loose[-1]["solo_ms"])
+    assert solo > 0
     # The tight budget: sync's need plus 1 MiB, less than the 4 MiB block
     # prefetched ahead. fixed:1 is over it and not run; DAP (and its plan)
     # stay within it.
@@ -69,6 +74,12 @@ class DapExperimentTest:
     assert against_best["against"] == best
     assert against_best["ratio"] == pytest.approx(
         np.median(np.array(rounds["dap"]) / rounds[best]), rel=1e-3)
+    case = summary["one_big @ 4 GB/s"]
+    assert case["plan_solo_ms"] == pytest.approx(solo, rel=1e-3)
+    assert case["dap_offline_over_solo"] == pytest.approx(
+        float(loose[0]["offline_predicted_ms"]) / solo, rel=1e-3)
+    assert case["dap_predicted_over_solo"] == pytest.approx(
+        float(loose[0]["predicted_ms"]) / solo, rel=1e-3)
     itself = summary["one_big @ 4 GB/s"]["dap_over_unmeasured"]
     assert itself["ratio"] == pytest.approx(np.median(
         np.array(rounds["dap"]) / rounds[dap.UNMEASURED]), rel=1e-3)
@@ -105,6 +116,7 @@ class DapExperimentTest:
       (["--slowdown_model=nope"], "--slowdown_model: unknown model"),
       (["--block_steps=0"], "--block_steps"),
       (["--confirm_rounds=-1"], "--confirm_rounds"),
+      (["--solo_steps=-1"], "--solo_steps"),
   ])
   def test_bad_flags(self, run_program, args, message):
     with pytest.raises(app.UsageError, match=message):
