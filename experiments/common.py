@@ -125,6 +125,11 @@ def check_disk_backed(path: str, *, flag: str) -> None:
         "O_DIRECT; pass a directory on a real disk")
 
 
+def format_or_dash(value: Any, spec: str) -> str:
+  """`value` formatted by `spec` for a table cell; "-" where it is None."""
+  return "-" if value is None else format(value, spec)
+
+
 def rotated(items: Sequence[Any], round_index: int) -> list[Any]:
   """`items` rotated by `round_index`: over interleaved rounds each item
   runs in each position of a round equally often, so whatever favours a

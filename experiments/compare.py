@@ -101,6 +101,8 @@ def byte_gpt2(n_embd: int, n_layer: int) -> gpt2.GPT2Config:
 MODELS: dict[str, Callable[[int, int], gpt2.GPT2Config]] = {
     "gpt2": byte_gpt2}
 
+_fmt = exp_common.format_or_dash  # a table cell, "-" for None
+
 FLAGS = flags.FlagValues()
 _MODEL = flags.DEFINE_string("model", "gpt2", "Model family: "
                              f"{', '.join(MODELS)}.", flag_values=FLAGS)
@@ -533,10 +535,6 @@ def ratios(rows: list[dict], found: dict | None) -> dict[str, Any]:
     out["max_model_ratio"] = (found["cxl_dap"]["largest"].params /
                               found["ssd"]["largest"].params)
   return out
-
-
-def _fmt(value: Any, spec: str) -> str:
-  return "-" if value is None else format(value, spec)
 
 
 def markdown(config: Config, title: str, rows: list[dict],

@@ -70,6 +70,8 @@ from models import common
 from models import gpt2
 from models import mlp
 
+_fmt = exp_common.format_or_dash  # a table cell, "-" for None
+
 # The program's flags live in a FlagValues of their own (see
 # experiments.common.flags_parser).
 FLAGS = flags.FlagValues()
@@ -380,12 +382,12 @@ def run_case(case: Case, bandwidth: float, budget: int,
     times = _interleaved(runs, case.batch, config.steps, exp_common.shuffled,
                          config.block_steps)
     confirmed = _confirm(runs, times, case.batch, config)
-    solo = {}
+    solo_s = None  # DAP's plan by itself
     if config.solo_steps and UNMEASURED in runs:
       run_ = runs[UNMEASURED]
       _, run_[1] = _timed(run_[0], run_[1], case.batch, 2)  # back on it
-      solo[UNMEASURED], run_[1] = _timed(run_[0], run_[1], case.batch,
-                                          config.solo_steps)
+      solo_s, run_[1] = _timed(run_[0], run_[1], case.batch,
+                               config.solo_steps)
     tuner = runs["dap"][0].tuner
     rows = []
     for schedule, (step, state, tuned) in {**runs, **over}.items():
@@ -402,7 +404,7 @@ def run_case(case: Case, bandwidth: float, budget: int,
       rows.append(dict(model=case.name, bandwidth_gbps=bandwidth / 1e9,
                        budget_mib=budget / 2**20, schedule=schedule,
                        step_ms=_ms(median), predicted_ms=_ms(predicted),
-                       solo_ms=_ms(solo.get(schedule)),
+                       solo_ms=_ms(solo_s) if schedule == UNMEASURED else None,
                        round_ms=[t * 1e3 for t in times.get(schedule, [])],
                        confirm_rounds=confirmed,
                        offline_predicted_ms=_ms(offline.get("measured")),
@@ -613,9 +615,9 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
         f"{c['dap_predicted_over_measured']:.3f} | "
         f"{c['dap_offline_over_measured']:.3f} | "
         f"{c['dap_offline_alone_over_measured']:.3f} | "
-        f"{_number(c['plan_solo_ms'], '.2f')} | "
-        f"{_number(c['dap_predicted_over_solo'], '.3f')} | "
-        f"{_number(c['dap_offline_over_solo'], '.3f')} | "
+        f"{_fmt(c['plan_solo_ms'], '.2f')} | "
+        f"{_fmt(c['dap_predicted_over_solo'], '.3f')} | "
+        f"{_fmt(c['dap_offline_over_solo'], '.3f')} | "
         + f"{_paired(c['dap_over_unmeasured'])} | {stall} |")
   if slowdown:
     out += ["", f"Link slowdown ({slowdown['fast_gbps']:g} -> "
@@ -627,10 +629,6 @@ def _markdown(rows: list[dict], summary: list[dict], labels: dict,
             f"[{slowdown['after_over_fresh_low']:.3f}, "
             f"{slowdown['after_over_fresh_high']:.3f}])."]
   return "\n".join(out) + "\n"
-
-
-def _number(value: float | None, spec: str) -> str:
-  return "-" if value is None else format(value, spec)
 
 
 def _paired(paired: dict | None) -> str:
