@@ -145,10 +145,26 @@ def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
                    local_handles=tuple(local))
 
 
+def is_typed_key(leaf: Any) -> bool:
+  """A typed PRNG key array (``jax.random.key``): kept on the device."""
+  dtype = getattr(leaf, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                     jax.dtypes.prng_key)
+
+
+def as_jax_value(leaf: Any) -> Any:
+  """`leaf` with the dtype ``jnp.asarray`` gives it (a Python int is int32
+  with x64 off), without a copy to the device."""
+  if isinstance(leaf, jax.Array):
+    return leaf
+  value = np.asarray(leaf)
+  return value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+
+
 def to_pool(leaf: Any, tier: Tier, pool: Pool,
             sharding: jax.sharding.Sharding, path: str) -> PoolArray:
   """Stores `leaf` in `pool`, one object per device of `sharding`."""
-  value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+  value = as_jax_value(leaf)
   index_map = sharding.devices_indices_map(tuple(value.shape))
   shards = {}
   if isinstance(value, jax.Array):
@@ -170,7 +186,11 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
 
   ``device`` and ``pinned_host`` leaves stay ``jax.Array``s (the latter in
   JAX's pinned host memory); ``host``, ``cxl`` and ``nvme`` leaves become
-  ``PoolArray``s, stored one object per device shard.
+  ``PoolArray``s, stored one object per device shard. Every leaf gets the
+  dtype ``jnp.asarray`` would give it (a Python ``0`` is ``int32`` with
+  x64 off). Typed PRNG keys (``jax.random.key``) stay on the device
+  whatever their kind says: they are a few bytes, and a step hands them on
+  as keys.
 
   Example:
     >>> pool = jcxl.Pool(host="256MiB", cxl="1GiB")
@@ -217,7 +237,7 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
         out.append(leaf)
         continue
       leaf_sharding = leaf_sharding or _default_sharding(leaf)
-      if kind == "device":
+      if kind == "device" or is_typed_key(leaf):
         out.append(jax.device_put(leaf, leaf_sharding))
       elif kind == "pinned_host":
         out.append(jax.device_put(

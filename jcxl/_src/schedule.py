@@ -133,11 +133,14 @@ class Plan:
                    f"{[l.name for l in self.layers]}")
 
   def table(self) -> str:
-    rows = [f"{'layer':40s} {'bytes':>12s} {'tier':8s} {'prefetch':>8s} "
+    """One row per layer, its whole name (names often differ only at the
+    end: a block's four attention projections)."""
+    width = max([len("layer")] + [len(l.name) for l in self.layers])
+    rows = [f"{'layer':{width}s} {'bytes':>12s} {'tier':8s} {'prefetch':>8s} "
             f"{'chunk':>10s}"]
     for l in self.layers:
       chunk = format_bytes(l.chunk_bytes) if l.chunk_bytes else "pool"
-      rows.append(f"{l.name[:40]:40s} {format_bytes(l.nbytes):>12s} "
+      rows.append(f"{l.name:{width}s} {format_bytes(l.nbytes):>12s} "
                   f"{','.join(l.tiers):8s} {l.prefetch:8d} {chunk:>10s}")
     return "\n".join(rows)
 

@@ -25,10 +25,12 @@ P = jax.sharding.PartitionSpec
 class Pending:
   """A fetch in flight: pass it to ``fetch_done`` in the same loop body."""
 
-  def __init__(self, buffer: jax.Array, spec: P | None, mesh: Any):
+  def __init__(self, buffer: jax.Array, spec: P | None, mesh: Any,
+               timeout_ms: np.int64):
     self.buffer = buffer
     self.spec = spec
     self.mesh = mesh
+    self.timeout_ms = timeout_ms  # the pool's deadline for the copy
 
 
 def _checked(x: Any, op: str) -> tuple[PoolArray, Any]:
@@ -186,15 +188,17 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
       pool_id=x.pool_id, stacked=stacked, block_rows=x.block_rows,
       priority=priority, chunk_bytes=chunk_bytes, device_attrs=device_attrs)
   into = () if into is None else (into,)
+  timeout_ms = _timeout_ms(pool)
   if not sharded:
-    return Pending(call(x.handles, index, dep, *into), None, None)
+    return Pending(call(x.handles, index, dep, *into), None, None,
+                   timeout_ms)
   mesh = x.sharding.mesh
   out_spec = _spec(x, stacked)
   buffer = jax.shard_map(
       call, mesh=mesh,
       in_specs=(P(*mesh.axis_names), P(), P()) + (out_spec,) * len(into),
       out_specs=out_spec, check_vma=False)(x.handles, index, dep, *into)
-  return Pending(buffer, out_spec, mesh)
+  return Pending(buffer, out_spec, mesh, timeout_ms)
 
 
 def fetch_done(pending: Pending, *, after: Any = None,
@@ -205,9 +209,11 @@ def fetch_done(pending: Pending, *, after: Any = None,
     pending: the fetch.
     after: a value to wait for before waiting on the copy (the compute the
       copy should overlap), so the scheduler cannot hoist the wait.
-    timeout_s: how long the copy may take.
+    timeout_s: how long the copy may take (default: the pool's
+      ``timeout_s``).
   """
-  timeout_ms = np.int64(int((timeout_s or 60.0) * 1000))
+  timeout_ms = (pending.timeout_ms if timeout_s is None else
+                np.int64(int(timeout_s * 1000)))
   call = functools.partial(_done_call, timeout_ms=timeout_ms)
   dep = _dependency(after)
   if pending.mesh is None:
@@ -218,10 +224,9 @@ def fetch_done(pending: Pending, *, after: Any = None,
 
 
 def _fetch(x, index, after, priority, chunk_bytes):
-  x, pool = _checked(x, "fetch")
+  # fetch_start's Pending carries the pool's deadline to fetch_done.
   return fetch_done(fetch_start(x, index, after=after, priority=priority,
-                                chunk_bytes=chunk_bytes),
-                    timeout_s=pool._timeout_s)
+                                chunk_bytes=chunk_bytes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
