@@ -77,6 +77,8 @@ def _index(index: Any, x: PoolArray) -> tuple[jax.Array, bool]:
 def _dependency(after: Any) -> jax.Array:
   """The "not before" operand: a value the transfer must wait for."""
   leaves = [jnp.asarray(a) for a in jax.tree_util.tree_leaves(after)]
+  leaves = [jax.random.key_data(a) if jax.dtypes.issubdtype(
+      a.dtype, jax.dtypes.prng_key) else a for a in leaves]  # typed keys
   scalars = [a.reshape(-1)[0].astype(jnp.float32) for a in leaves if a.size]
   if not scalars:
     return jnp.zeros((), jnp.int32)

@@ -76,6 +76,8 @@ def _is_pinned(x: Any) -> bool:
 
 def _mark(value: jax.Array) -> jax.Array:
   """A scalar that exists once `value` does (a cheap dependency on it)."""
+  if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    value = jax.random.key_data(value)
   return value.reshape(-1)[0] if value.size else jax.numpy.zeros(())
 
 
