@@ -291,7 +291,8 @@ class NnxTest:
       model.head.kernel[...] -= 0.1 * grads.head.kernel[...]
 
     with pytest.raises(TypeError, match=r"updates model\.head\.kernel.* in "
-                       r"place but it is not in the pool.*return the new value"):
+                       r"place but it is not in the pool.*return the new "
+                       r"value"):
       jcxl.cxl_offload(train_step)(model, batches()[0])
 
 

@@ -20,7 +20,7 @@ INLINE = frozenset({"jit", "pjit", "closed_call", "core_call",
 # primitive has had across JAX releases. Inlined as JAX lowers it: the
 # recomputation's inputs pass an optimization barrier, so XLA cannot merge
 # it with the forward pass and keep its activations after all.
-REMAT = frozenset({"remat2", "checkpoint", "remat"})
+REMAT = frozenset({"remat2", "checkpoint", "remat", "remat_call"})
 
 
 def group_of(path: str) -> str:

@@ -521,8 +521,8 @@ class OffloadedStep:
     is written: the step writes each back, and the last write would win."""
     seen: dict[tuple[int, int], int] = {}
     for i, leaf in enumerate(flat):
-      if not isinstance(leaf, PoolArray):
-        continue
+      if not isinstance(leaf, PoolArray) or leaf.pool_id < 0:
+        continue  # not an array, or planned without a pool (no objects)
       for _, handle in leaf.local_handles:
         first = seen.setdefault((leaf.pool_id, handle), i)
         if first != i and (first in written or i in written):
