@@ -280,6 +280,13 @@ class NnxTest:
         assert loss is None
     assert_close(nnx.state(model), nnx.state(ref_model))
     assert_close(nnx.state(optimizer), nnx.state(ref_optimizer))
+    # A module's parameters and their optimizer moments are one layer,
+    # named by the module's path.
+    layers = {l.name: l.nbytes for l in offloaded.plan.layers}
+    for name in ("encoder", "head"):
+      linear = getattr(ref_model, name)
+      params = linear.kernel[...].nbytes + linear.bias[...].nbytes
+      assert layers[f"['{name}']"] == 3 * params  # value, mu, nu
 
   def test_in_place_update_of_a_device_leaf_is_refused(self, pool):
     model, optimizer = nnx_pair()

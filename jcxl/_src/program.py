@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import re
 from typing import Any
 
 from jcxl._src import jax_compat
@@ -106,9 +107,18 @@ class Program:
 
 def layer_of(path: str) -> str:
   """The parameter layer a state leaf belongs to: optimizer-state prefixes
-  (``[0].mu``) dropped, then the module path."""
+  (``[0].mu``) dropped, then the module path.
+
+  An NNX module's attribute path (``.blocks[0].attn.kernel.value``) is
+  read as the dict path its optimizer state has
+  (``['blocks'][0]['attn']['kernel']``), so the two share a layer.
+  """
   cut = path.find("['")
-  return group_of(path[cut:] if cut >= 0 else path)
+  if cut < 0:
+    path = re.sub(r"\.([A-Za-z_]\w*)", r"['\1']",
+                  re.sub(r"\.value$", "", path))
+    cut = max(path.find("['"), 0)
+  return group_of(path[cut:])
 
 
 def reorder_by_layer(program: Program, output_layers: list[str | None],
