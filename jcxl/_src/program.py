@@ -114,11 +114,10 @@ def layer_of(path: str) -> str:
   (``['blocks'][0]['attn']['kernel']``), so the two share a layer.
   """
   cut = path.find("['")
-  if cut < 0:
-    path = re.sub(r"\.([A-Za-z_]\w*)", r"['\1']",
-                  re.sub(r"\.value$", "", path))
-    cut = max(path.find("['"), 0)
-  return group_of(path[cut:])
+  if cut < 0 and path.endswith(".value"):  # an NNX Variable's
+    path = re.sub(r"\.([A-Za-z_]\w*)", r"['\1']", path[:-len(".value")])
+    cut = path.find("['")
+  return group_of(path[cut:] if cut >= 0 else path)
 
 
 def reorder_by_layer(program: Program, output_layers: list[str | None],
