@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from experiments import common
+from experiments import results_file
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -28,3 +29,11 @@ def experiment():
   yield for_module
   for module, values in reversed(saved):
     flagsaver.restore_flag_values(values, module.FLAGS)
+
+
+@pytest.fixture(autouse=True)
+def results_files_in_tmp(tmp_path_factory, monkeypatch):
+  """Programs run by the tests write their results files to a temporary
+  directory, not to the checkout's docs/results."""
+  monkeypatch.setenv(results_file.RESULTS_DIR_ENV,
+                     str(tmp_path_factory.mktemp("results")))
