@@ -31,9 +31,12 @@ def experiment():
     flagsaver.restore_flag_values(values, module.FLAGS)
 
 
-@pytest.fixture(autouse=True)
-def results_files_in_tmp(tmp_path_factory, monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def results_files_in_tmp(tmp_path_factory):
   """Programs run by the tests write their results files to a temporary
-  directory, not to the checkout's docs/results."""
-  monkeypatch.setenv(results_file.RESULTS_DIR_ENV,
-                     str(tmp_path_factory.mktemp("results")))
+  directory, not to the checkout's docs/results (session-wide, so that
+  module-scoped fixtures that run programs see it too)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv(results_file.RESULTS_DIR_ENV,
+                 str(tmp_path_factory.mktemp("results")))
+    yield
