@@ -14,6 +14,7 @@ fragmentation and allocation times side by side.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from absl import app
 from absl import flags
@@ -86,7 +87,7 @@ def main(argv):
     for path in alloc_trace.write_results(comparisons, config.out):
       logging.info("wrote %s", path)
   results_file.write("alloc_trace", {"config": dataclasses.asdict(config),
-                                     "rows": rows}, argv)
+                                     "rows": rows}, sys.argv)
 
 
 if __name__ == "__main__":

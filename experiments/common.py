@@ -84,7 +84,7 @@ def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],
       json.dump(results, f, indent=2)
     logging.info("wrote %s", json_out)
   if jax.process_index() == 0:  # one file per run, not per process
-    results_file.write(results_file.program_name(argv[0]), results, argv)
+    results_file.write(results_file.program_name(argv[0]), results, sys.argv)
   return results
 
 

@@ -81,7 +81,8 @@ def _devices() -> str:
 
 def header(program: str, argv: Sequence[str], when: datetime.datetime
            ) -> list[tuple[str, str]]:
-  """The rows of a results file's header."""
+  """The rows of a results file's header; `argv` is the command line as
+  the process got it (sys.argv: absl's main sees it without its flags)."""
   _, described = commit()
   machine = bench.describe_machine()
   load = ", ".join(f"{x:.2f}" for x in machine.load_average)
@@ -189,6 +190,12 @@ def write(program: str, results: Any, argv: Sequence[str],
   A results file is a by-product: when it cannot be written (a read-only
   checkout, a full disk) this logs a warning and returns None rather than
   failing a program whose work is done.
+
+  Args:
+    program: the program's name (`dap`): the folder, and the command shown.
+    results: what the program returns (JSON-able; tuples become lists).
+    argv: the command line as the process got it (`sys.argv`).
+    when: the run's time (UTC), now by default.
   """
   when = when or datetime.datetime.now(datetime.timezone.utc)
   short, _ = commit()
@@ -209,5 +216,5 @@ def write(program: str, results: Any, argv: Sequence[str],
     logging.warning("results file for %s not written: %s", program, e)
     return None
   logging.info("wrote %s", path)
-  print(f"results: {os.path.relpath(path)}", flush=True)
+  print(f"results: {path}", flush=True)
   return path

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Measures of the project's shape that anyone can rerun.
 
     python tools/measure.py          # a table

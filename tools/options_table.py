@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Option tables in the docs, generated from the dataclasses that define
 the options, so that each default and its meaning are written once.
 
