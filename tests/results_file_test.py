@@ -33,16 +33,14 @@ class ResultsFileTest:
                                                 monkeypatch):
     monkeypatch.setenv(results_file.RESULTS_DIR_ENV, str(tmp_path))
     path = results_file.write("dap", RESULTS, ["dap", "--steps=24"], WHEN)
-    head = subprocess.run(["git", "-C", results_file.REPO_ROOT, "rev-parse",
-                           "--short=12", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head, _ = results_file.commit()
     assert path == os.path.join(tmp_path, "dap",
                                 f"2026-12-02-210509-{head}.md")
     with open(path, encoding="utf-8") as f:
       text = f.read()
     assert "| program | `python -m experiments.dap --steps=24` |" in text
-    assert re.search(rf"\| commit \| {head}(, with uncommitted changes)? \|",
-                     text)
+    assert re.search(rf"\| commit \| ({head}|unknown \(not a git checkout\))"
+                     r"(, with uncommitted changes)? \|", text)
     assert "| date | 2026-12-02 21:05 UTC |" in text
     assert re.search(r"\| machine \| \d+ cores \(\d+ usable\), .* GiB "
                      r"memory, \d+ NUMA node\(s\)", text)
@@ -55,6 +53,16 @@ class ResultsFileTest:
     assert "| mlp @ 2 GB/s | dap | 62.625 | 60.5, 61.5 | a\\|b |" in text
     assert "| bandwidths | 5e+08, 2e+09 |" in text
     assert _json_block(text) == json.loads(json.dumps(RESULTS))
+
+  def test_commit_is_the_checkouts_head(self):
+    try:
+      head = subprocess.run(["git", "-C", results_file.REPO_ROOT, "rev-parse",
+                             "--short=12", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+      pytest.skip("not a git checkout")
+    short, described = results_file.commit()
+    assert short == head and described.startswith(head)
 
   def test_two_runs_in_one_second_get_two_files(self, tmp_path, monkeypatch):
     monkeypatch.setenv(results_file.RESULTS_DIR_ENV, str(tmp_path))
