@@ -113,7 +113,7 @@ def _cell(value: Any) -> str:
     text = "nan" if math.isnan(value) else f"{value:.6g}"
   elif isinstance(value, list) and all(_scalar(v) for v in value):
     if len(value) <= _LIST_CELL_MAX:
-      text = ", ".join(_cell(v) for v in value)
+      text = ", ".join(_cell(v) for v in value) or "-"
     elif all(isinstance(v, (int, float)) and not isinstance(v, bool)
              for v in value):
       text = (f"{len(value)} values: median {_cell(statistics.median(value))}"
