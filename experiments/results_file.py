@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 from collections.abc import Sequence
@@ -87,8 +88,8 @@ def header(program: str, argv: Sequence[str], when: datetime.datetime
   machine = bench.describe_machine()
   load = ", ".join(f"{x:.2f}" for x in machine.load_average)
   return [
-      ("program", f"`python -m experiments.{program} "
-                  f"{' '.join(argv[1:])}`".replace(" `", "`")),
+      ("program", "`" + " ".join([f"python -m experiments.{program}",
+                                  *map(shlex.quote, argv[1:])]) + "`"),
       ("commit", described),
       ("date", when.strftime("%Y-%m-%d %H:%M UTC")),
       ("machine", f"{machine.cores} cores ({machine.usable_cores} usable), "
