@@ -6,8 +6,11 @@ import os
 import re
 import subprocess
 
+from absl import flags
+from absl.testing import flagsaver
 import pytest
 
+from experiments import alloc_trace
 from experiments import common
 from experiments import results_file
 
@@ -113,3 +116,18 @@ class ResultsFileTest:
     monkeypatch.delenv(results_file.RESULTS_DIR_ENV)
     assert results_file.results_dir() == os.path.join(
         results_file.REPO_ROOT, "docs", "results")
+
+
+class AllocTraceResultsTest:
+
+  def test_its_main_writes_a_results_file(self, tmp_path, monkeypatch):
+    monkeypatch.setenv(results_file.RESULTS_DIR_ENV, str(tmp_path))
+    with flagsaver.flagsaver():
+      flags.FLAGS(["alloc_trace", "--models=gpt2", "--steps=1"])
+      alloc_trace.main(["alloc_trace"])
+    [name] = os.listdir(tmp_path / "alloc_trace")
+    with open(tmp_path / "alloc_trace" / name, encoding="utf-8") as f:
+      results = _json_block(f.read())
+    assert results["config"]["models"] == ["gpt2"]
+    assert [(r["model"], r["allocator"]) for r in results["rows"]] == [
+        ("gpt2", "hybrid"), ("gpt2", "first_fit")]
