@@ -28,8 +28,10 @@ uint32_t IndexOf(int32_t handle) {
 // The handle indices of every pool in the process. An index belongs to one
 // pool at a time, so a handle of one pool is unknown to every other pool
 // (it can never reach another pool's memory). Its generation moves on at
-// every free, and freed indices are reused oldest first: a stale handle is
-// rejected until its index has been reused kMaxGeneration times.
+// every free, and freed indices are reused oldest first. An index whose
+// generations are used up is retired, never reused: a generation that came
+// round again would make a stale handle name a new object. (That takes
+// kMaxGeneration frees of each of the 2^22 indices, about 2 * 10^9.)
 class HandleSpace {
  public:
   static HandleSpace& Get() {
@@ -56,7 +58,8 @@ class HandleSpace {
     std::lock_guard<std::mutex> lock(mu_);
     const uint32_t index = IndexOf(handle);
     uint16_t& generation = generations_[index];
-    generation = generation == kMaxGeneration ? 1 : generation + 1;
+    if (generation == kMaxGeneration) return;  // retired
+    ++generation;
     free_.push_back(index);
   }
 
@@ -229,7 +232,9 @@ StatusOr<int32_t> Pool::AllocateIn(int t, uint64_t bytes) {
       tier.arenas[i].allocator->Free(*allocation);
       return Status(Code::kExhausted,
                     "this process's pools hold the most objects they can (" +
-                        std::to_string(kIndexMask + 1) + ")");
+                        std::to_string(kIndexMask + 1) +
+                        " handles, each reused for at most " +
+                        std::to_string(kMaxGeneration) + " objects)");
     }
     Object& object = objects_[IndexOf(handle)];
     object.handle = handle;
@@ -354,7 +359,8 @@ StatusOr<Pool::Object*> Pool::LookupRange(std::unique_lock<std::mutex>& lock,
 
 StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
     int32_t handle, void* buffer, uint64_t bytes, uint64_t offset,
-    int priority, uint64_t chunk_bytes, Direction direction) {
+    int priority, uint64_t chunk_bytes, Direction direction,
+    std::shared_ptr<void> owner) {
   std::unique_lock<std::mutex> lock(mu_);
   StatusOr<Object*> found = LookupRange(lock, handle, bytes, offset);
   if (!found.ok()) return found.status();
@@ -378,6 +384,7 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
   request.record.tier = object->tier;
   request.record.node = arena.node;
   request.label = Label(handle, *object);
+  request.buffer_owner = std::move(owner);
   const uint32_t index = IndexOf(handle);
   const int tier_index = object->tier;
   request.on_complete = [this, index, tier_index, direction,
@@ -463,17 +470,19 @@ void Pool::Unpin(uint32_t index, int tier, Direction direction,
 StatusOr<std::shared_ptr<Ticket>> Pool::Write(int32_t handle, const void* src,
                                               uint64_t bytes, uint64_t offset,
                                               int priority,
-                                              uint64_t chunk_bytes) {
+                                              uint64_t chunk_bytes,
+                                              std::shared_ptr<void> owner) {
   return Transfer(handle, const_cast<void*>(src), bytes, offset, priority,
-                  chunk_bytes, Direction::kToPool);
+                  chunk_bytes, Direction::kToPool, std::move(owner));
 }
 
 StatusOr<std::shared_ptr<Ticket>> Pool::Read(int32_t handle, void* dst,
                                              uint64_t bytes, uint64_t offset,
                                              int priority,
-                                             uint64_t chunk_bytes) {
+                                             uint64_t chunk_bytes,
+                                             std::shared_ptr<void> owner) {
   return Transfer(handle, dst, bytes, offset, priority, chunk_bytes,
-                  Direction::kFromPool);
+                  Direction::kFromPool, std::move(owner));
 }
 
 std::string Pool::Label(int32_t handle, const Object& object) {

@@ -112,13 +112,17 @@ class Pool {
   // Frees an object once its transfers in flight are done.
   Status Free(int32_t handle, int64_t timeout_ns);
   // Starts a copy of `bytes` from `src` into the object at byte `offset`.
+  // `owner`, if given, keeps `src` alive until the copy is done (see
+  // TransferRequest::buffer_owner): the caller may then drop the ticket.
   StatusOr<std::shared_ptr<Ticket>> Write(int32_t handle, const void* src,
                                           uint64_t bytes, uint64_t offset,
-                                          int priority, uint64_t chunk_bytes);
+                                          int priority, uint64_t chunk_bytes,
+                                          std::shared_ptr<void> owner = {});
   // Starts a copy of the object's bytes [offset, offset + bytes) to `dst`.
   StatusOr<std::shared_ptr<Ticket>> Read(int32_t handle, void* dst,
                                          uint64_t bytes, uint64_t offset,
-                                         int priority, uint64_t chunk_bytes);
+                                         int priority, uint64_t chunk_bytes,
+                                         std::shared_ptr<void> owner = {});
   // The address of bytes [offset, offset + bytes) of an object, for a copy
   // made by another engine (cudaMemcpyAsync). The object stays pinned, as
   // during a transfer (Free and Compact wait), until EndDirect, which also
@@ -190,7 +194,8 @@ class Pool {
   StatusOr<std::shared_ptr<Ticket>> Transfer(int32_t handle, void* buffer,
                                              uint64_t bytes, uint64_t offset,
                                              int priority, uint64_t chunk_bytes,
-                                             Direction direction);
+                                             Direction direction,
+                                             std::shared_ptr<void> owner);
   void Unpin(uint32_t index, int tier, Direction direction, uint64_t bytes);
   // Waits for the transfers of object `index` (all objects if negative).
   Status WaitUnpinned(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,

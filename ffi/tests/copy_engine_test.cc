@@ -561,6 +561,74 @@ TEST(CancellingCutsAnEmulatedLinkWaitShort) {
   CHECK_LT(NowNs() - start, 500 * kMs);
 }
 
+// Waits (bounded) until the engine has dropped its reference to `buffer`.
+bool AwaitReleased(const std::weak_ptr<std::vector<char>>& buffer) {
+  for (int64_t start = NowNs(); NowNs() - start < kLongWaitNs;) {
+    if (buffer.expired()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return buffer.expired();
+}
+
+// The caller drops its ticket and its buffer while a chunk is under way and
+// more are queued: the engine's reference keeps the buffer alive until the
+// last chunk is done (ASan reports a use after free if it does not), then
+// lets it go.
+TEST(AbandonedTransferKeepsItsBufferUntilTheEngineIsDone) {
+  TestArena arena(4 * kMiB);
+  CopyEngine engine(2, 64 * kKiB, {});
+  for (Direction direction : {Direction::kFromPool, Direction::kToPool}) {
+    const std::vector<char> stored = Pattern(kMiB, 11);
+    std::memcpy(arena.data(), stored.data(), stored.size());
+    auto buffer = std::make_shared<std::vector<char>>(Pattern(kMiB, 12));
+    const std::vector<char> sent = *buffer;
+    std::weak_ptr<std::vector<char>> watch = buffer;
+    TransferRequest request =
+        Request(&arena, 0, buffer->data(), kMiB, direction);
+    request.buffer_owner = buffer;
+    const int entered = arena.entered();
+    arena.Close();  // every chunk waits at the gate: the copy is mid-way
+    std::shared_ptr<Ticket> ticket = engine.Submit(std::move(request));
+    arena.AwaitEntered(entered + 1);
+    ticket.reset();
+    buffer.reset();
+    CHECK(!watch.expired());  // the engine still holds it
+    arena.Open();
+    CHECK(AwaitReleased(watch));
+    if (direction == Direction::kToPool) {  // the whole copy arrived
+      CHECK(std::memcmp(arena.data(), sent.data(), kMiB) == 0);
+    }
+  }
+}
+
+// The same, with the engine destroyed mid-copy: its destructor fails the
+// queued chunks, joins the worker on the running one, and by the time it
+// returns every abandoned buffer has been let go.
+TEST(DestroyingTheEngineReleasesAbandonedBuffers) {
+  TestArena arena(4 * kMiB);
+  auto engine = std::make_unique<CopyEngine>(1, 64 * kKiB, std::vector<int>{});
+  std::vector<std::weak_ptr<std::vector<char>>> watches;
+  arena.Close();
+  for (int i = 0; i < 3; ++i) {
+    auto buffer = std::make_shared<std::vector<char>>(256 * kKiB);
+    watches.push_back(buffer);
+    TransferRequest request =
+        Request(&arena, i * kMiB, buffer->data(), buffer->size(),
+                i % 2 ? Direction::kToPool : Direction::kFromPool);
+    request.buffer_owner = std::move(buffer);
+    engine->Submit(std::move(request));  // ticket dropped at once
+  }
+  arena.AwaitEntered(1);
+  for (const auto& watch : watches) CHECK(!watch.expired());
+  std::thread opener([&arena] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    arena.Open();
+  });
+  engine.reset();
+  opener.join();
+  for (const auto& watch : watches) CHECK(watch.expired());
+}
+
 TEST(DestroyingAnIdleEngineReturns) {
   for (int threads : {1, 4}) {
     auto start = NowNs();

@@ -241,14 +241,19 @@ TEST(StaleHandleAfterSlotReuseIsRejected) {
   CHECK_OK(WriteNow(*pool, second, data));
   CHECK_OK(pool->Info(second));
   CHECK(pool->Handles() == std::vector<int32_t>{second});
-  // Generations wrap around (9 bits) without ever giving a handle <= 0, and
-  // each reuse rejects the handle before it.
+  // Past its last generation (9 bits) a slot is retired, never wrapped
+  // round: no handle is ever given out twice, none is <= 0, and every stale
+  // one stays rejected.
+  std::vector<int32_t> seen = {first, second};
   int32_t handle = second;
   for (int i = 0; i < 1100; ++i) {
     CHECK_OK(pool->Free(handle, kLongWaitNs));
     const int32_t next = Alloc(*pool, TierKind::kHost, 64);
-    CHECK(next != handle);
+    CHECK_GT(next, 0);
+    CHECK(std::find(seen.begin(), seen.end(), next) == seen.end());
     CHECK_CODE(pool->Info(handle), Code::kNotFound);
+    CHECK_CODE(pool->Info(first), Code::kNotFound);
+    seen.push_back(next);
     handle = next;
   }
   CHECK_OK(pool->Info(handle));
@@ -499,6 +504,33 @@ TEST(CloseTwiceAndRequestsAfterCloseAreClosed) {
   CHECK(pool->Handles().empty());
   CHECK(pool->DrainRecords().empty());
   pool->Stats();  // still answers, with no arenas
+}
+
+// A transfer abandoned mid-copy (its ticket and buffer dropped) while the
+// pool closes: Close fails it once its timeout passes, and the buffer the
+// engine held is let go by the time Close returns, never before the copy
+// stopped touching it.
+TEST(CloseReleasesTheBuffersOfAbandonedTransfers) {
+  TempDir dir;
+  CHECK(dir.ok());
+  auto pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t handle = Alloc(*pool, TierKind::kCxl, 2 * kMiB);
+  CHECK_OK(WriteNow(*pool, handle, Pattern(2 * kMiB, 3)));
+  FaultSpec stall;
+  stall.kind = FaultSpec::Kind::kStall;
+  stall.direction = static_cast<int>(Direction::kFromPool);
+  CHECK_OK(pool->InjectFault(stall));
+  auto buffer = std::make_shared<std::vector<char>>(2 * kMiB);
+  std::weak_ptr<std::vector<char>> watch = buffer;
+  {
+    StatusOr<std::shared_ptr<Ticket>> ticket =
+        pool->Read(handle, buffer->data(), buffer->size(), 0, 0, 0, buffer);
+    CHECK_OK(ticket);
+  }
+  buffer.reset();
+  CHECK(!watch.expired());
+  CHECK_CODE(pool->Close(50 * kMs), Code::kTimeout);
+  CHECK(watch.expired());
 }
 
 TEST(CloseWaitsForTransfersAndKeepsFilesWhenAsked) {

@@ -272,24 +272,30 @@ class TransferRecord:
     return (self.finished_ns - self.started_ns) * 1e-9
 
 
-# Copies cancelled after their wait timed out, with their host buffers: a
-# chunk already under way may still touch a buffer, so it lives until then.
+# How long a wait that timed out gives the cancelled copy to stop (it ends
+# after the chunk it is on), so that what it had not moved it never moves.
 _CANCEL_GRACE_S = 2.0
-_abandoned: list[tuple[Any, np.ndarray]] = []
-_abandoned_lock = threading.Lock()
 
 
-def _keep_until_done(ticket: Any, buffer: np.ndarray) -> None:
-  with _abandoned_lock:
-    _abandoned[:] = [(t, b) for t, b in _abandoned if not t.done()]
-    if not ticket.done():
-      _abandoned.append((ticket, buffer))
+def _timeout_seconds(value: Any, name: str = "timeout_s") -> float:
+  """Validates a timeout in seconds: a number >= 0 (inf: no deadline)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                      np.floating)):
+    raise TypeError(f"{name} must be a number of seconds, but got "
+                    f"{value!r} ({type(value).__name__})")
+  seconds = float(value)
+  if not seconds >= 0:  # also nan
+    raise ValueError(f"{name} must be >= 0 seconds (inf for no deadline), "
+                     f"but got {value!r}")
+  return seconds
 
 
 class Transfer:
   """An asynchronous copy in flight; ``wait()`` until it is done.
 
-  It keeps the host buffer alive for as long as the copy may touch it.
+  The copy engine holds its own reference to the host buffer until it is
+  done with it, so a transfer may be dropped unwaited, or its wait may
+  fail, at any time: the buffer is freed only once no byte of it moves.
   """
 
   def __init__(self, ticket: Any, buffer: np.ndarray, timeout_s: float):
@@ -307,22 +313,29 @@ class Transfer:
     moves, so its destination (the buffer, or the object for a write) is
     left partly written, and nothing else is touched.
 
+    Args:
+      timeout_s: seconds to wait, >= 0 (``math.inf``: no deadline); None:
+        the pool's `timeout_s`. A bad value raises before anything else
+        happens: the transfer can still be waited for.
+
     Raises:
-      TransferTimeoutError: the copy did not finish within `timeout_s` (the
-        pool's `timeout_s` by default); the message names the object and
-        the time waited.
+      TypeError: `timeout_s` is not a number.
+      ValueError: `timeout_s` is negative or nan.
+      TransferTimeoutError: the copy did not finish within `timeout_s`; the
+        message names the object and the time waited.
       TierIOError: the nvme tier's file system failed the copy.
       PoolClosedError: the pool was closed before the copy ran.
     """
+    timeout_s = (self._timeout_s if timeout_s is None else
+                 _timeout_seconds(timeout_s))
     try:
-      self._ticket.wait(self._timeout_s if timeout_s is None else timeout_s)
+      self._ticket.wait(timeout_s)
     except errors.TransferTimeoutError:
       self._ticket.cancel()
       try:  # a cancelled copy stops after the chunk it is on
         self._ticket.wait(_CANCEL_GRACE_S)
       except errors.JcxlError:
         pass
-      _keep_until_done(self._ticket, self._buffer)
       raise
     return self._buffer
 
@@ -636,7 +649,7 @@ class Pool:
     """Starts writing `array`'s bytes into object `handle` at byte `offset`."""
     host = _as_host_array(array)
     ticket = self._pool.write(handle, host.ctypes.data, host.nbytes, offset,
-                              priority, chunk_bytes)
+                              priority, chunk_bytes, host)
     return Transfer(ticket, host, self._timeout_s)
 
   def get(self, handle: int, out: np.ndarray | None = None, *,
@@ -664,7 +677,7 @@ class Pool:
             f"{handle} holds shape {info.shape} and dtype {info.dtype}")
       _check_writable(out)
     ticket = self._pool.read(handle, out.ctypes.data, info.nbytes, 0,
-                             priority, chunk_bytes)
+                             priority, chunk_bytes, out)
     return Transfer(ticket, out, self._timeout_s)
 
   def read_bytes_async(self, handle: int, out: np.ndarray, *, offset: int = 0,
@@ -672,7 +685,7 @@ class Pool:
     """Starts reading `out.nbytes` bytes of the object from byte `offset`."""
     _check_writable(out)
     ticket = self._pool.read(handle, out.ctypes.data, out.nbytes, offset,
-                             priority, chunk_bytes)
+                             priority, chunk_bytes, out)
     return Transfer(ticket, out, self._timeout_s)
 
   def free(self, handle: int) -> None:
