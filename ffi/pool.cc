@@ -100,7 +100,8 @@ const char* TierName(TierKind kind) {
   return "?";
 }
 
-Pool::Pool(const PoolConfig& config) : config_(config) {}
+Pool::Pool(const PoolConfig& config)
+    : config_(config), owner_pid_(getpid()) {}
 
 StatusOr<std::shared_ptr<Pool>> Pool::Create(const PoolConfig& config) {
   std::shared_ptr<Pool> pool(new Pool(config));
@@ -650,6 +651,16 @@ Status Pool::Close(int64_t timeout_ns) {
                   "pool " + std::to_string(id_) + " is already closed");
   }
   closed_ = true;  // from here every new request fails
+  if (getpid() != owner_pid_) {
+    // A forked child's copy (see owner_pid_): leaked on purpose.
+    (void)engine_.release();
+    for (Tier& tier : tiers_) {
+      for (TierArena& arena : tier.arenas) (void)arena.arena.release();
+      tier.arenas.clear();
+    }
+    on_close_.clear();
+    return Status::Ok();
+  }
   // Let transfers already queued finish; past the timeout they are failed.
   Status waited = WaitUnpinned(lock, timeout_ns, -1);
   // Taken under the lock (DrainRecords and Transfer read engine_), destroyed

@@ -12,6 +12,8 @@
 #ifndef JCXL_FFI_POOL_H_
 #define JCXL_FFI_POOL_H_
 
+#include <sys/types.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -205,6 +207,10 @@ class Pool {
 
   PoolConfig config_;
   int32_t id_ = 0;
+  // The process that made the pool. In a child it forked, the pool's copy
+  // shares the parent's nvme file and lacks the copy engine's threads:
+  // Close there forgets the pool without joining, waiting or unlinking.
+  pid_t owner_pid_;
   std::mutex mu_;
   std::condition_variable unpinned_cv_;
   bool closed_ = false;

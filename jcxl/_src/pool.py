@@ -18,10 +18,7 @@ import enum
 import functools
 import logging
 import os
-import shutil
-import stat
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -34,6 +31,7 @@ from jcxl import _jcxl
 from jcxl._src import errors
 from jcxl._src import jax_compat
 from jcxl._src import registry
+from jcxl._src import swap_dir as swap_dir_lib
 from jcxl._src import topology as topology_lib
 from jcxl._src.units import format_bandwidth
 from jcxl._src.units import format_bytes
@@ -391,52 +389,29 @@ def _check_writable(out: np.ndarray) -> None:
     raise ValueError("out must be a writeable C-contiguous array")
 
 
-def _private_dir(base: str | os.PathLike) -> str:
-  """Validates the user's nvme directory and makes the pool's own in it."""
-  base = os.fspath(base)
-  if os.path.islink(base):
-    raise ValueError(f"nvme_dir {base!r} is a symbolic link; pass the real "
-                     f"directory ({os.path.realpath(base)!r})")
-  if not os.path.isdir(base):
-    raise ValueError(f"nvme_dir {base!r} does not exist or is not a directory")
-  if not os.access(base, os.W_OK | os.X_OK):
-    raise ValueError(f"nvme_dir {base!r} is not writable by this process")
-  try:
-    path = tempfile.mkdtemp(prefix="jcxl-pool-", dir=base)  # mode 0700
-  except OSError as e:
-    raise ValueError(f"nvme_dir {base!r} is not writable by this process: "
-                     f"{e.strerror}") from e
-  os.chmod(path, stat.S_IRWXU)
-  return path
-
-
 def _timed(fn) -> float:
   start = time.perf_counter()
   fn()
   return time.perf_counter() - start
 
 
-def _remove_private_dir(path: str) -> None:
-  """Removes the pool's own directory, even if its mode was changed."""
-  if not os.path.islink(path) and os.path.isdir(path):
-    try:
-      os.chmod(path, stat.S_IRWXU)
-    except OSError:
-      pass
-  shutil.rmtree(path, ignore_errors=True)
+def _close_at_exit(native: Any, swap: swap_dir_lib.SwapDir | None,
+                   timeout_s: float, pid: int) -> None:
+  """Closes a pool that was never closed (collected, or at exit).
 
-
-def _close_at_exit(native: Any, nvme_dir: str | None,
-                   timeout_s: float) -> None:
-  """Closes a pool that was never closed (collected, or at exit)."""
+  Not in a child the pool's process forked: the pool, its transfers and its
+  nvme directory are the parent's, which still uses them.
+  """
+  if os.getpid() != pid:
+    return
   try:
     if not native.closed:
       native.close(timeout_s)
   except errors.JcxlError as e:
     logger.warning("jcxl: closing a pool left open: %s", e)
   finally:
-    if nvme_dir:
-      _remove_private_dir(nvme_dir)
+    if swap is not None:
+      swap.remove()
 
 
 class Pool:
@@ -522,6 +497,7 @@ class Pool:
     self._measured_links: dict[Tier, LinkModel] = {}
     self._firmware_links: dict[Tier, tuple[FirmwareLink, ...]] = {}
     self._nvme_dir = None
+    self._swap_dir: swap_dir_lib.SwapDir | None = None
     self._cxl_kind: dict[Tier, str] = {}
     for tier, capacity in capacities.items():
       tier_config = _jcxl.TierConfig()
@@ -530,10 +506,11 @@ class Pool:
         self._configure_tier(tier, tier_config, cxl_link, emulate_cxl)
       config.set_tier(tier.index, tier_config)
       if capacity and tier is Tier.NVME:
-        self._nvme_dir = _private_dir(nvme_dir or tempfile.gettempdir())
+        self._swap_dir = swap_dir_lib.make(nvme_dir or tempfile.gettempdir(),
+                                           keep=bool(keep_nvme_files))
+        self._nvme_dir = self._swap_dir.path
         config.nvme_dir = self._nvme_dir
         config.keep_nvme_files = bool(keep_nvme_files)
-    self._keep_nvme_files = bool(keep_nvme_files)
     try:
       self._pool = _jcxl.Pool.create(config)
     except BaseException:
@@ -542,8 +519,8 @@ class Pool:
     # A pool left open is closed when it is collected or, at the latest, at
     # interpreter exit, so its nvme files never outlive the process.
     self._finalizer = weakref.finalize(
-        self, _close_at_exit, self._pool,
-        None if self._keep_nvme_files else self._nvme_dir, self._timeout_s)
+        self, _close_at_exit, self._pool, self._swap_dir, self._timeout_s,
+        os.getpid())
     self.id = self._pool.id
     self._settings = {
         **{tier.value: format_bytes(c) for tier, c in capacities.items()},
@@ -850,8 +827,8 @@ class Pool:
       self._finalizer.detach()
 
   def _remove_nvme_dir(self) -> None:
-    if self._nvme_dir and not self._keep_nvme_files:
-      _remove_private_dir(self._nvme_dir)
+    if self._swap_dir is not None:
+      self._swap_dir.remove()
 
   def __enter__(self) -> Pool:
     return self
