@@ -269,13 +269,23 @@ NB_MODULE(_jcxl, m) {
       .def_prop_ro("closed", &Pool::closed)
       .def("allocate",
            [](Pool& p, int tier, uint64_t bytes, std::vector<int64_t> shape,
-              std::string dtype) {
+              std::string dtype, double timeout_s) {
              if (tier < 0 || tier >= kNumTiers) {
                throw nb::value_error("tier index out of range");
              }
-             return Unwrap(p.Allocate(static_cast<TierKind>(tier), bytes,
-                                      std::move(shape), std::move(dtype)));
-           })
+             const int64_t timeout_ns = SecondsToNs(timeout_s);
+             StatusOr<int32_t> handle(0);
+             {
+               // It may wait for transfers, to compact a fragmented tier.
+               nb::gil_scoped_release release;
+               handle = p.Allocate(static_cast<TierKind>(tier), bytes,
+                                   std::move(shape), std::move(dtype),
+                                   timeout_ns);
+             }
+             return Unwrap(std::move(handle));
+           },
+           nb::arg("tier"), nb::arg("bytes"), nb::arg("shape"),
+           nb::arg("dtype"), nb::arg("timeout_s"))
       .def("free",
            [](Pool& p, int32_t handle, double timeout_s) {
              const int64_t timeout_ns = SecondsToNs(timeout_s);

@@ -69,6 +69,12 @@ class HandleSpace {
   std::deque<uint32_t> free_;
 };
 
+// A memory arena whose holes pass this fraction of its reserved bytes is
+// compacted after a free (when no transfer is in flight): churn then never
+// strands more than this. The nvme tier compacts only when an allocation
+// needs it, since its moves are file I/O.
+constexpr double kCompactAboveHoleFraction = 0.02;
+
 std::mutex g_registry_mu;
 std::map<int32_t, std::weak_ptr<Pool>>& Registry() {
   static auto* registry = new std::map<int32_t, std::weak_ptr<Pool>>();
@@ -250,8 +256,8 @@ StatusOr<int32_t> Pool::AllocateIn(int t, uint64_t bytes) {
 
 StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
                                  std::vector<int64_t> shape,
-                                 std::string dtype) {
-  std::lock_guard<std::mutex> lock(mu_);
+                                 std::string dtype, int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {
     return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
   }
@@ -270,6 +276,30 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
   for (int t = first; t < kNumTiers; ++t) {
     if (!tiers_[t].enabled) continue;
     StatusOr<int32_t> handle = AllocateIn(t, bytes);
+    std::string compacted;
+    if (handle.status().code() == Code::kExhausted) {
+      // Free bytes scattered in holes: gather them, then try again.
+      bool fits = false;
+      for (const TierArena& arena : tiers_[t].arenas) {
+        fits = fits || arena.allocator->FitsAfterCompact(bytes);
+      }
+      if (!fits) {
+        compacted = " (compacting cannot help: too few bytes are free)";
+      } else {
+        Status status = CompactLocked(lock, timeout_ns, t);
+        if (closed_) {  // while it waited for transfers
+          return Status(Code::kClosed, "pool " + std::to_string(id_) +
+                                           " was closed during the "
+                                           "allocation");
+        }
+        if (status.ok()) {
+          handle = AllocateIn(t, bytes);
+        } else {
+          compacted = " (compacting to make room failed: " +
+                      status.message() + ")";
+        }
+      }
+    }
     if (handle.ok()) {
       Object& object = objects_.at(IndexOf(*handle));
       object.shape = std::move(shape);
@@ -278,7 +308,7 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
     }
     if (handle.status().code() != Code::kExhausted) return handle.status();
     why += std::string(why.empty() ? "" : "; ") + TierName(tiers_[t].kind) +
-           ": " + handle.status().message();
+           ": " + handle.status().message() + compacted;
     if (!config_.spill) break;
   }
   return Status(Code::kExhausted,
@@ -336,9 +366,22 @@ Status Pool::Free(int32_t handle, int64_t timeout_ns) {
   const uint64_t old_top = arena.allocator->extents().top();
   JCXL_RETURN_IF_ERROR(arena.allocator->Free(object->allocation));
   ReleaseTop(arena, old_top);
+  Tier& tier = tiers_[object->tier];
+  const size_t arena_index = static_cast<size_t>(object->arena);
   objects_.erase(IndexOf(handle));
   HandleSpace::Get().Give(handle);
+  CompactIfFragmented(tier, arena_index);
   return Status::Ok();
+}
+
+void Pool::CompactIfFragmented(Tier& tier, size_t a) {
+  if (tier.kind == TierKind::kNvme || total_pins_ > 0 || compacting_) return;
+  const ExtentAllocator& extents = tier.arenas[a].allocator->extents();
+  if (static_cast<double>(extents.hole_bytes()) >
+      kCompactAboveHoleFraction * static_cast<double>(extents.top())) {
+    Status status = CompactArena(tier, a);
+    (void)status;  // a memory arena's moves cannot fail
+  }
 }
 
 StatusOr<Pool::Object*> Pool::LookupRange(std::unique_lock<std::mutex>& lock,
@@ -546,38 +589,49 @@ Status Pool::Compact(int64_t timeout_ns) {
   if (closed_) {
     return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
   }
-  compacting_ = true;
-  Status waited = WaitUnpinned(lock, timeout_ns, -1);
-  Status result = waited;
-  if (waited.ok()) {
-    for (Tier& tier : tiers_) {
-      for (size_t a = 0; a < tier.arenas.size(); ++a) {
-        TierArena& arena = tier.arenas[a];
-        const uint64_t old_top = arena.allocator->extents().top();
-        std::vector<Move> moves = arena.allocator->Compact();
-        if (moves.empty()) continue;
-        std::map<uint64_t, uint64_t> remap;
-        for (const Move& move : moves) {
-          Status moved = arena.arena->Move(move.from, move.to, move.bytes);
-          if (!moved.ok() && result.ok()) result = moved;
-          remap.emplace(move.from, move.to);
-        }
-        for (auto& [index, object] : objects_) {
-          if (object.allocation.is_slab() ||
-              object.tier != static_cast<int>(tier.kind) ||
-              object.arena != static_cast<int>(a)) {
-            continue;
-          }
-          auto it = remap.find(object.allocation.extent_offset);
-          if (it != remap.end()) object.allocation.extent_offset = it->second;
-        }
-        ReleaseTop(arena, old_top);
+  return CompactLocked(lock, timeout_ns, -1);
+}
+
+Status Pool::CompactLocked(std::unique_lock<std::mutex>& lock,
+                           int64_t timeout_ns, int only_tier) {
+  compacting_ = true;  // new transfers wait (LookupRange)
+  Status result = WaitUnpinned(lock, timeout_ns, -1);
+  if (result.ok()) {
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (only_tier >= 0 && t != only_tier) continue;
+      for (size_t a = 0; a < tiers_[t].arenas.size(); ++a) {
+        Status moved = CompactArena(tiers_[t], a);
+        if (!moved.ok() && result.ok()) result = moved;
       }
     }
   }
   compacting_ = false;
-  lock.unlock();
   unpinned_cv_.notify_all();
+  return result;
+}
+
+Status Pool::CompactArena(Tier& tier, size_t a) {
+  TierArena& arena = tier.arenas[a];
+  const uint64_t old_top = arena.allocator->extents().top();
+  std::vector<Move> moves = arena.allocator->Compact();
+  if (moves.empty()) return Status::Ok();
+  Status result;
+  std::map<uint64_t, uint64_t> remap;
+  for (const Move& move : moves) {
+    Status moved = arena.arena->Move(move.from, move.to, move.bytes);
+    if (!moved.ok() && result.ok()) result = moved;
+    remap.emplace(move.from, move.to);
+  }
+  for (auto& [index, object] : objects_) {
+    if (object.allocation.is_slab() ||
+        object.tier != static_cast<int>(tier.kind) ||
+        object.arena != static_cast<int>(a)) {
+      continue;
+    }
+    auto it = remap.find(object.allocation.extent_offset);
+    if (it != remap.end()) object.allocation.extent_offset = it->second;
+  }
+  ReleaseTop(arena, old_top);
   return result;
 }
 

@@ -108,9 +108,12 @@ class Pool {
 
   int32_t id() const { return id_; }
 
-  // Reserves an object; `shape` and `dtype` are recorded for checks.
+  // Reserves an object; `shape` and `dtype` are recorded for checks. A tier
+  // too fragmented to hold it, though its free bytes would, is compacted
+  // first (waiting up to `timeout_ns` for the transfers in flight).
   StatusOr<int32_t> Allocate(TierKind tier, uint64_t bytes,
-                             std::vector<int64_t> shape, std::string dtype);
+                             std::vector<int64_t> shape, std::string dtype,
+                             int64_t timeout_ns = kMaxTimeoutNs);
   // Frees an object once its transfers in flight are done.
   Status Free(int32_t handle, int64_t timeout_ns);
   // Starts a copy of `bytes` from `src` into the object at byte `offset`.
@@ -203,6 +206,17 @@ class Pool {
   Status WaitUnpinned(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
                       int64_t index);
   void ReleaseTop(TierArena& arena, uint64_t old_top);
+  // Compacts tier `only_tier` (every tier if negative) once no transfer is
+  // in flight, waiting up to `timeout_ns`; `lock` holds mu_.
+  Status CompactLocked(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
+                       int only_tier);
+  // Slides arena `a` of `tier`'s objects down over its holes; caller holds
+  // mu_ and no transfer is in flight.
+  Status CompactArena(Tier& tier, size_t a);
+  // After a free: compacts a memory arena whose holes passed
+  // kCompactAboveHoleFraction of its reserved bytes, if no transfer is in
+  // flight (it never waits); caller holds mu_.
+  void CompactIfFragmented(Tier& tier, size_t a);
   ObjectInfo InfoOf(int32_t handle, const Object& object);
 
   PoolConfig config_;

@@ -596,7 +596,7 @@ class Pool:
       raise ValueError(f"cannot store an empty object (shape {shape}, "
                        f"{dtype.name}): it has 0 bytes")
     return self._pool.allocate(tier.index, nbytes, list(shape),
-                               dtype.name)
+                               dtype.name, self._timeout_s)
 
   def put(self, array: Any, tier: str | Tier = "cxl", *,
           priority: int = 0) -> int:
