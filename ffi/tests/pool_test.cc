@@ -355,6 +355,34 @@ TEST(SpillGoesHostThenCxlThenNvme) {
   }
 }
 
+// No extent is large enough, but the free bytes are: Allocate compacts the
+// tier and succeeds, the other objects keep their bytes; past the free
+// bytes it says that compacting cannot help.
+TEST(FragmentedTierCompactsBeforeRefusing) {
+  TempDir dir;
+  CHECK(dir.ok());
+  auto pool = NewPool(ThreeTiers(dir.path(), 8 * kMiB, 8 * kMiB, 8 * kMiB));
+  std::vector<int32_t> handles;
+  for (int i = 0; i < 32; ++i) {
+    handles.push_back(Alloc(*pool, TierKind::kNvme, 256 * kKiB));
+    CHECK_OK(WriteNow(*pool, handles.back(), Pattern(256 * kKiB, i)));
+  }
+  for (int i = 0; i < 32; i += 2) CHECK_OK(pool->Free(handles[i], kLongWaitNs));
+  StatusOr<int32_t> big =
+      pool->Allocate(TierKind::kNvme, 4 * kMiB, {}, "", kLongWaitNs);
+  CHECK_OK(big);
+  for (int i = 1; i < 32; i += 2) {
+    StatusOr<std::vector<char>> back = ReadNow(*pool, handles[i], 256 * kKiB);
+    CHECK_OK(back);
+    CHECK(*back == Pattern(256 * kKiB, i));
+  }
+  StatusOr<int32_t> none =
+      pool->Allocate(TierKind::kNvme, 512 * kKiB, {}, "", kLongWaitNs);
+  CHECK_CODE(none, Code::kExhausted);
+  CHECK(none.status().message().find("compacting cannot help") !=
+        std::string::npos);
+}
+
 TEST(CompactKeepsDataAndHandles) {
   TempDir dir;
   std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
