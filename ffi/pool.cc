@@ -464,15 +464,18 @@ StatusOr<DirectRange> Pool::BeginDirect(int32_t handle, uint64_t bytes,
   range.direction = direction;
   ++object->pins;
   ++total_pins_;
+  ++direct_pins_;
   return range;
 }
 
 void Pool::EndDirect(const DirectRange& range) {
   int tier = 0;
+  std::vector<TierArena> unmap;  // outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = objects_.find(IndexOf(range.handle));
     tier = it == objects_.end() ? 0 : it->second.tier;
+    if (--direct_pins_ == 0) unmap.swap(retired_arenas_);
   }
   Unpin(IndexOf(range.handle), tier, range.direction, range.bytes);
 }
@@ -726,7 +729,16 @@ Status Pool::Close(int64_t timeout_ns) {
   on_close.swap(on_close_);
   for (auto& fn : on_close) fn();  // e.g. unregister arenas from a GPU
   lock.lock();
-  for (Tier& tier : tiers_) tier.arenas.clear();  // unmap, remove files
+  for (Tier& tier : tiers_) {
+    for (TierArena& arena : tier.arenas) {
+      // A direct copy still under way past the timeout: its memory stays
+      // mapped until it ends (EndDirect), never reused while it copies.
+      if (direct_pins_ > 0 && arena.arena->base() != nullptr) {
+        retired_arenas_.push_back(std::move(arena));
+      }
+    }
+    tier.arenas.clear();  // unmap, remove files
+  }
   if (!config_.nvme_dir.empty() && !config_.keep_nvme_files) {
     rmdir(config_.nvme_dir.c_str());
   }

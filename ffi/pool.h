@@ -230,6 +230,10 @@ class Pool {
   bool closed_ = false;
   bool compacting_ = false;
   int total_pins_ = 0;
+  int direct_pins_ = 0;  // BeginDirect ranges not yet ended
+  // Memory arenas Close could not unmap: a DMA engine outside the pool may
+  // still copy into a BeginDirect range. Unmapped at the last EndDirect.
+  std::vector<TierArena> retired_arenas_;
   Tier tiers_[kNumTiers];
   // Live objects by handle index (node-based: an Object never moves).
   std::unordered_map<uint32_t, Object> objects_;

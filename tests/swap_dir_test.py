@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jcxl
 import numpy as np
@@ -203,4 +205,37 @@ class ForkTest:
                             cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=TIMEOUT_S, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(tmp_path) == []
+
+
+
+class ConcurrentRemoveTest:
+
+  def test_two_threads_removing_close_the_lock_once(self, tmp_path,
+                                                    monkeypatch):
+    # A second os.close of the lock's descriptor would close whatever file
+    # the process opened meanwhile under the same number.
+    swap = swap_dir.make(tmp_path, keep=False)
+    fd = swap.lock_fd
+    closed = []
+    real_os = swap_dir.os
+
+    class SlowClose:  # widens the window between the check and the close
+      def __getattr__(self, name):
+        return getattr(real_os, name)
+
+      @staticmethod
+      def close(n):
+        closed.append(n)
+        time.sleep(0.05)
+        real_os.close(n)
+
+    monkeypatch.setattr(swap_dir, "os", SlowClose())
+    threads = [threading.Thread(target=swap.remove) for _ in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert closed == [fd]
+    assert swap.lock_fd is None
     assert os.listdir(tmp_path) == []

@@ -835,6 +835,24 @@ TEST(DirectRangesPinTheObjectAndCountTheirBytes) {
   CHECK_OK(pool->Free(host, kLongWaitNs));
 }
 
+// Close gives up waiting for a direct copy (a GPU's DMA) still under way:
+// the pool closes, but the range's memory stays mapped until EndDirect, so
+// the late copy lands in memory nobody else uses instead of unmapped pages.
+TEST(CloseKeepsADirectRangeMappedUntilItEnds) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t host = Alloc(*pool, TierKind::kHost, 64 * kKiB);
+  StatusOr<DirectRange> range =
+      pool->BeginDirect(host, 64 * kKiB, 0, Direction::kToPool);
+  CHECK_OK(range);
+  CHECK_CODE(pool->Close(20 * kMs), Code::kTimeout);
+  CHECK(pool->closed());
+  std::memset(range->address, 0x5a, 64 * kKiB);  // the late DMA
+  pool->EndDirect(*range);  // unmaps it now
+  CHECK(pool->MemoryRegions().empty());
+  CHECK_CODE(pool->Info(host), Code::kClosed);
+}
+
 TEST(DirectRangesAreRefusedWhereTheCopyEngineMustMoveTheBytes) {
   TempDir dir;
   std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));

@@ -51,6 +51,10 @@ class SwapDir:
   keep: bool
   pid: int
   lock_fd: int | None = None
+  # close() on two threads at once must not close the lock's fd twice (the
+  # second close could hit a file another thread just opened).
+  _mu: threading.Lock = dataclasses.field(default_factory=threading.Lock,
+                                          repr=False)
 
   def remove(self) -> None:
     """Removes the directory (unless kept) and releases its lock.
@@ -60,12 +64,13 @@ class SwapDir:
     """
     if os.getpid() != self.pid:
       return
-    _live.pop(self.path, None)
-    if not self.keep:
-      remove_tree(self.path)
-    if self.lock_fd is not None:
-      os.close(self.lock_fd)
-      self.lock_fd = None
+    with self._mu:
+      _live.pop(self.path, None)
+      if not self.keep:
+        remove_tree(self.path)
+      if self.lock_fd is not None:
+        os.close(self.lock_fd)
+        self.lock_fd = None
 
 
 # Directories to remove on SIGTERM/SIGHUP: path -> SwapDir. Read by a signal
