@@ -561,40 +561,63 @@ TEST(CancellingCutsAnEmulatedLinkWaitShort) {
   CHECK_LT(NowNs() - start, 500 * kMs);
 }
 
-// Waits (bounded) until the engine has dropped its reference to `buffer`.
-bool AwaitReleased(const std::weak_ptr<std::vector<char>>& buffer) {
-  for (int64_t start = NowNs(); NowNs() - start < kLongWaitNs;) {
-    if (buffer.expired()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+// A buffer lent to the engine, whose deleter says when the engine let it go
+// (a mutex, so that the test's later reads happen after the engine's).
+class LentBuffer {
+ public:
+  explicit LentBuffer(std::vector<char> bytes)
+      : bytes_(new std::vector<char>(std::move(bytes))) {}
+  char* data() { return bytes_->data(); }
+  // The engine's reference; the test then drops its own.
+  std::shared_ptr<void> Lend() {
+    return std::shared_ptr<void>(bytes_, [this](void* bytes) {
+      delete static_cast<std::vector<char>*>(bytes);
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = true;
+      cv_.notify_all();
+    });
   }
-  return buffer.expired();
-}
+  bool released() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_;
+  }
+  // Waits (bounded) until the engine has let the buffer go.
+  bool AwaitReleased() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::nanoseconds(kLongWaitNs),
+                        [this] { return released_; });
+  }
 
-// The caller drops its ticket and its buffer while a chunk is under way and
-// more are queued: the engine's reference keeps the buffer alive until the
-// last chunk is done (ASan reports a use after free if it does not), then
-// lets it go.
+ private:
+  std::vector<char>* bytes_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+};
+
+// The caller drops its ticket (and holds no reference to the buffer) while
+// a chunk is under way and more are queued: the engine's reference keeps
+// the buffer alive until the last chunk is done (ASan reports a use after
+// free if it does not), then lets it go.
 TEST(AbandonedTransferKeepsItsBufferUntilTheEngineIsDone) {
   TestArena arena(4 * kMiB);
   CopyEngine engine(2, 64 * kKiB, {});
   for (Direction direction : {Direction::kFromPool, Direction::kToPool}) {
     const std::vector<char> stored = Pattern(kMiB, 11);
     std::memcpy(arena.data(), stored.data(), stored.size());
-    auto buffer = std::make_shared<std::vector<char>>(Pattern(kMiB, 12));
-    const std::vector<char> sent = *buffer;
-    std::weak_ptr<std::vector<char>> watch = buffer;
+    const std::vector<char> sent = Pattern(kMiB, 12);
+    LentBuffer buffer(sent);
     TransferRequest request =
-        Request(&arena, 0, buffer->data(), kMiB, direction);
-    request.buffer_owner = buffer;
+        Request(&arena, 0, buffer.data(), kMiB, direction);
+    request.buffer_owner = buffer.Lend();
     const int entered = arena.entered();
     arena.Close();  // every chunk waits at the gate: the copy is mid-way
     std::shared_ptr<Ticket> ticket = engine.Submit(std::move(request));
     arena.AwaitEntered(entered + 1);
     ticket.reset();
-    buffer.reset();
-    CHECK(!watch.expired());  // the engine still holds it
+    CHECK(!buffer.released());  // the engine still holds it
     arena.Open();
-    CHECK(AwaitReleased(watch));
+    CHECK(buffer.AwaitReleased());
     if (direction == Direction::kToPool) {  // the whole copy arrived
       CHECK(std::memcmp(arena.data(), sent.data(), kMiB) == 0);
     }
