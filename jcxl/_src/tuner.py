@@ -465,6 +465,8 @@ class Tuner:
     best = (min(measured, key=measured.get) if measured
             else self._ran_schedule)
     self._race, self._race_out, self._race_queue = {}, {}, []
+    if best in measured:  # the prediction is what it was measured at
+      self._learn_overhead(best, measured[best])
     self._switch(best)
     self._state, self._window = "steady", []
     self._recent = [measured[best]] if best in measured else []
