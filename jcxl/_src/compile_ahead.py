@@ -42,8 +42,13 @@ class CompileAhead:
               is_compiled: Callable[[LayerSchedule], bool]
               ) -> list[LayerSchedule]:
     """The tuner's next plans not compiled for `signature` yet; those not
-    submitted yet are submitted (with `args`), in the order it runs them."""
-    wanted = [s for s in self._tuner.upcoming() if not is_compiled(s)]
+    submitted yet are submitted (with `args`), in the order it runs them.
+    Plans the tuner dropped that have not begun compiling are cancelled."""
+    upcoming = self._tuner.upcoming()
+    for schedule, job in list(self._jobs.items()):
+      if schedule not in upcoming and job[1].cancel():  # dropped: not begun
+        del self._jobs[schedule]
+    wanted = [s for s in upcoming if not is_compiled(s)]
     for schedule in wanted:
       if schedule not in self._jobs or self._jobs[schedule][0] != signature:
         if self._executor is None:
