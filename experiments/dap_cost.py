@@ -53,23 +53,22 @@ FLAGS = flags.FlagValues()
 # vocabulary and MLPs whose blocks differ in width).
 MODELS = {
     # Grouped-query attention, SwiGLU, rotary embeddings.
-    "llama": (lambda: llama.tiny(vocab_size=2048, dim=128, n_layers=4,
-                                 n_heads=4, n_kv_heads=2, ffn_dim=384),
-              llama, dict(batch_size=8, seq_len=64)),
+    "llama": (lambda: llama.tiny(vocab_size=512, dim=96, n_layers=3,
+                                 n_heads=4, n_kv_heads=2, ffn_dim=256),
+              llama, dict(batch_size=4, seq_len=64)),
     # Patches of 4x4: a long sequence for its width.
-    "vit": (lambda: vit.tiny(image_size=32, patch_size=4, dim=128, depth=4,
-                             num_heads=4, mlp_dim=384), vit,
-            dict(batch_size=16)),
-    # Narrow and deep, with a small vocabulary.
-    "gpt2_deep": (lambda: gpt2.tiny(vocab_size=512, n_embd=96, n_layer=8,
-                                    n_head=4, n_ctx=64), gpt2,
-                  dict(batch_size=8)),
+    "vit": (lambda: vit.tiny(image_size=32, patch_size=4, dim=64, depth=3,
+                             num_heads=4, mlp_dim=192), vit,
+            dict(batch_size=8)),
+    # Narrow and deep, with a byte vocabulary.
+    "gpt2_deep": (lambda: gpt2.tiny(n_embd=64, n_layer=6, n_head=4), gpt2,
+                  dict(batch_size=4)),
     # Equal blocks, compute-heavy for their bytes.
-    "mlp_even": (lambda: mlp.MLPConfig(in_dim=512, widths=(512,) * 7,
-                                       out_dim=512), mlp,
-                 dict(batch_size=512)),
+    "mlp_even": (lambda: mlp.MLPConfig(in_dim=256, widths=(256,) * 6,
+                                       out_dim=256), mlp,
+                 dict(batch_size=256)),
 }
-FIXED = ("sync", "fixed:1", "fixed:2", "fixed:3")
+FIXED = ("sync", "fixed:1", "fixed:2")
 
 _MODELS = flags.DEFINE_list("models", ["llama", "vit", "gpt2_deep"],
                             f"models, of {sorted(MODELS)}", flag_values=FLAGS)

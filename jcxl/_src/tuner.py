@@ -103,9 +103,9 @@ class TunerOptions:
       (warm-up, measuring, racing, baseline) before the best plan measured
       so far is kept and the tuner is settled.
     max_compile_s: seconds an episode may spend compiling (each plan
-      from its start, the one in progress included); then the plans not
-      compiled yet are dropped (a compile in progress cannot be stopped:
-      its plan is not used).
+      from its start, the one in progress included; not the first call's,
+      which any schedule pays); then the plans not compiled yet are dropped
+      (a compile in progress cannot be stopped: its plan is not used).
   """
   warmup_steps: int = 1
   measure_steps: int = 3
@@ -221,6 +221,9 @@ class Tuner:
     # The tuning episode in progress (see TuningCost), and those settled.
     self._cost = TuningCost(0, 0, 0, 0.0)
     self.costs: list[TuningCost] = []
+    # Compile seconds before the first step: the step cannot run without
+    # them, a fixed schedule's step neither; not held against the limit.
+    self._first_compile_s = 0.0
 
   # ------------------------------------------------------------ planning
 
@@ -357,6 +360,8 @@ class Tuner:
 
   def add_compile(self, seconds: float) -> None:
     """Counts a compile of `seconds` into the episode's cost."""
+    if not self._steps:
+      self._first_compile_s += seconds
     self._cost = dataclasses.replace(
         self._cost, compiles=self._cost.compiles + 1,
         compile_s=self._cost.compile_s + seconds)
@@ -370,7 +375,8 @@ class Tuner:
     self._cost = dataclasses.replace(
         self._cost, steps=self._cost.steps + 1,
         waited_steps=self._cost.waited_steps + 1)
-    spent = self._cost.compile_s + compiling_s
+    spent = self._cost.compile_s + compiling_s - (
+        0.0 if self.costs else self._first_compile_s)
     if spent >= self.options.max_compile_s:
       self.give_up(missing, f"{spent:.1f} s compiling, the limit is "
                    f"{self.options.max_compile_s:g} s")
