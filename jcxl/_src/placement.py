@@ -22,6 +22,7 @@ from jcxl._src import distributed
 from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
+from jcxl._src import validation
 from jcxl._src.pool import Pool
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import PoolArray
@@ -121,7 +122,11 @@ def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
                  shape: tuple[int, ...], dtype: Any, path: str) -> PoolArray:
   """A PoolArray of one new object per local device of `sharding`, each
   holding ``shard_of(device)``. If any put fails, the objects made so far
-  are freed and the error raised: the pool holds what it held before."""
+  are freed and the error raised: the pool holds what it held before.
+
+  A dtype in non-native byte order is stored (and recorded) as its native
+  twin, as ``Pool.put`` does."""
+  shape, dtype, _ = validation.object_spec(shape, dtype, what=f"leaf {path}")
   devices, handle_sharding = device_grid(sharding)
   _check_devices(pool, devices, path)
   if distributed.spans_processes(devices.flat):
@@ -170,7 +175,9 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
 
   ``device`` and ``pinned_host`` leaves stay ``jax.Array``s (the latter in
   JAX's pinned host memory); ``host``, ``cxl`` and ``nvme`` leaves become
-  ``PoolArray``s, stored one object per device shard.
+  ``PoolArray``s, stored one object per device shard. Pool leaves must be
+  numeric (as ``Pool.put``); one in non-native byte order (``'>f4'``)
+  becomes a PoolArray of the native dtype (``float32``), same values.
 
   Example:
     >>> pool = jcxl.Pool(host="256MiB", cxl="1GiB")
@@ -191,6 +198,7 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
   Raises:
     ValueError: an unknown memory kind, no pool for a pool kind, or a
       sharding whose devices are not near the pool's NUMA node.
+    TypeError: a pool leaf's dtype is not numeric (object, string...).
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: isinstance(x, PoolArray))
