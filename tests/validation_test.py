@@ -133,10 +133,11 @@ class NamedErrorsTest:
 
   @pytest.mark.parametrize("value, error", [
       ("5", TypeError), (None, TypeError), (True, TypeError),
-      (float("nan"), ValueError), (0, ValueError), (-1, ValueError)])
+      (float("nan"), ValueError), (float("inf"), ValueError),
+      (0, ValueError), (-1, ValueError)])
   def test_timeout(self, value, error):
-    with pytest.raises(error, match=r"timeout_s must be a number of seconds"
-                       r" > 0 .* but got"):
+    with pytest.raises(error, match=r"timeout_s must be a finite number of "
+                       r"seconds > 0, but got"):
       jcxl.Pool(host="1MiB", cxl=0, timeout_s=value)
 
   @pytest.mark.parametrize("kwargs, error, match", [
@@ -204,3 +205,46 @@ class NamedErrorsTest:
   def test_device_budget(self):
     with pytest.raises(ValueError, match="device_budget must be a finite"):
       jcxl.cxl_offload(lambda x: x, device_budget=float("nan"))
+
+
+class MoreNamedErrorsTest:
+  """Errors of the same kind found across the public API."""
+
+  @pytest.mark.parametrize("kwargs, error, match", [
+      ({"priority": "x"}, TypeError, "jcxl.fetch priority must be an int32"),
+      ({"priority": 2**40}, ValueError, "jcxl.fetch priority must be"),
+      # a negative chunk size used to stall the copy until the deadline
+      ({"chunk_bytes": -1}, ValueError, "jcxl.fetch chunk_bytes must be an "
+       "int in"),
+  ])
+  def test_fetch_arguments(self, pool, kwargs, error, match):
+    w = jcxl.place(np.ones((4, 4), np.float32), "cxl", pool=pool)
+    with pytest.raises(error, match=match):
+      jax.jit(lambda w: jcxl.fetch(w, **kwargs))(w)
+    with pytest.raises(error, match=match.replace("fetch", "store")):
+      jax.jit(lambda w: jcxl.store(w, jax.numpy.ones((4, 4)), **kwargs))(w)
+    np.testing.assert_array_equal(np.asarray(jcxl.gather(w)), 1)
+
+  def test_place_arguments(self, pool):
+    with pytest.raises(TypeError, match="pool must be a jcxl.Pool, but got"):
+      jcxl.place({"w": np.ones(3)}, "cxl", pool="pool")
+    with pytest.raises(TypeError, match=r"sharding for leaf \['w'\] must be "
+                       "a jax.sharding.Sharding"):
+      jcxl.place({"w": np.ones(3)}, "cxl", pool=pool, sharding={"w": "x"})
+    assert pool.handles() == []
+
+  def test_read_bytes_out_must_be_an_array(self, pool):
+    handle = pool.put(np.ones(2, np.float32))
+    with pytest.raises(TypeError, match="out must be a numpy array, but got "
+                       "list"):
+      pool.read_bytes_async(handle, [1, 2])
+
+  def test_cxl_offload_takes_a_function(self):
+    with pytest.raises(TypeError, match="decorates a function, but got 5"):
+      jcxl.cxl_offload(5)
+
+  def test_checkpoint_metadata_must_be_json(self, pool, tmp_path):
+    tree = {"w": jcxl.place(np.ones(3, np.float32), "cxl", pool=pool)}
+    with pytest.raises(TypeError, match="metadata must be a JSON-serial"):
+      jcxl.checkpoint.save(tmp_path / "c", tree, metadata={"a": object()})
+    assert not list(tmp_path.iterdir())  # nothing written

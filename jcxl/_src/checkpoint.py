@@ -406,6 +406,7 @@ def save(path: str | os.PathLike, tree: Any, *,
     FileExistsError: `path` exists (checkpoints are never overwritten: save
       each one under a new name, e.g. its step).
     ValueError: `tree` has no leaves, or `metadata` uses the key 'jcxl'.
+    TypeError: `metadata` is not JSON-serializable.
     PoolClosedError: a PoolArray's pool was closed.
   """
   path = os.path.abspath(os.fspath(path))
@@ -431,6 +432,11 @@ def save(path: str | os.PathLike, tree: Any, *,
   metadata = dict(metadata or {})
   if _METADATA_KEY in metadata:
     raise ValueError(f"metadata key {_METADATA_KEY!r} is reserved for jcxl")
+  try:  # (Orbax would find out in a background thread, after the arrays)
+    json.dumps(metadata)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"metadata must be a JSON-serializable dict: {e}"
+                    ) from None
   custom = {**metadata,
             _METADATA_KEY: {"version": _FORMAT_VERSION, "pool_tiers": tiers,
                             "checksums": checksums.ALGORITHM}}

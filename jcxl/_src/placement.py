@@ -211,6 +211,8 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
     raise ValueError("memory kinds 'host', 'cxl' and 'nvme' need a pool: "
                      "pass pool=jcxl.Pool(...)")
   if pool is not None:
+    if not isinstance(pool, Pool):
+      raise TypeError(f"pool must be a jcxl.Pool, but got {pool!r}")
     registry.find_pool(pool.id, what="place()")
   out = []
   placed: list[PoolArray] = []
@@ -224,6 +226,11 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
               f"gather it before placing it as {kind!r}")
         out.append(leaf)
         continue
+      if leaf_sharding is not None and not isinstance(
+          leaf_sharding, jax.sharding.Sharding):
+        raise TypeError(
+            f"sharding for leaf {name} must be a jax.sharding.Sharding (or "
+            f"None: the leaf's own), but got {leaf_sharding!r}")
       leaf_sharding = leaf_sharding or _default_sharding(leaf)
       if kind == "device":
         out.append(jax.device_put(leaf, leaf_sharding))

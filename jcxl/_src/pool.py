@@ -382,6 +382,9 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
 
 def _check_writable(out: np.ndarray) -> None:
   """The copy engine writes `out` in place, byte for byte."""
+  if not isinstance(out, np.ndarray):
+    raise TypeError(f"out must be a numpy array, but got "
+                    f"{type(out).__name__}")
   if not out.flags.c_contiguous or not out.flags.writeable:
     raise ValueError("out must be a writeable C-contiguous array")
 

@@ -122,15 +122,15 @@ def as_native(array: np.ndarray) -> np.ndarray:
 
 
 def as_timeout(value: Any, *, name: str = "timeout_s") -> float:
-  """A timeout in seconds: a real number > 0 (inf: no deadline)."""
+  """A timeout in seconds: a finite real number > 0 (a step's deadline is
+  counted in int64 milliseconds)."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value,
                                                            numbers.Real):
-    raise TypeError(f"{name} must be a number of seconds > 0 (float('inf'):"
-                    f" no deadline), but got {value!r} "
-                    f"({type(value).__name__})")
-  if not value > 0:  # nan included
-    raise ValueError(f"{name} must be a number of seconds > 0 "
-                     f"(float('inf'): no deadline), but got {value!r}")
+    raise TypeError(f"{name} must be a finite number of seconds > 0, but got "
+                    f"{value!r} ({type(value).__name__})")
+  if not (math.isfinite(value) and value > 0):  # nan included
+    raise ValueError(f"{name} must be a finite number of seconds > 0, but "
+                     f"got {value!r}")
   return float(value)
 
 
