@@ -37,18 +37,19 @@ def storable_dtype(dtype: Any, *, name: str = "dtype") -> np.dtype:
       numbers (object, structured, sub-array, string, bytes, datetime).
   """
   if dtype is None:  # np.dtype(None) would quietly be float64
-    raise TypeError(f"{name} must be {_ACCEPTED_DTYPES}, but got None")
+    raise TypeError(f"{name} must be numeric ({_ACCEPTED_DTYPES}), but got "
+                    "None")
   try:
     dtype = np.dtype(dtype)
   except TypeError as e:
-    raise TypeError(f"{name} must be {_ACCEPTED_DTYPES}, but got {dtype!r} "
-                    f"({e})") from None
+    raise TypeError(f"{name} must be numeric ({_ACCEPTED_DTYPES}), but got "
+                    f"{dtype!r} ({e})") from None
   plain = dtype.fields is None and dtype.subdtype is None
   numeric = dtype.kind in "biufc" or (dtype.kind == "V" and _is_ml_dtype(dtype))
   if not (plain and numeric):
     raise TypeError(
-        f"{name} must be {_ACCEPTED_DTYPES} (the pool stores plain numbers),"
-        f" but got {dtype}")
+        f"{name} must be numeric ({_ACCEPTED_DTYPES}): the pool stores plain"
+        f" numbers, but got {dtype}")
   return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
