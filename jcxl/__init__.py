@@ -4,6 +4,7 @@ Parameters and optimizer state live in a tiered pool outside the device
 (CXL memory, host DRAM, NVMe files) and stream into the jitted step.
 """
 
+from jcxl._src.errors import CheckpointCorruptError as CheckpointCorruptError
 from jcxl._src.errors import JcxlError as JcxlError
 from jcxl._src.errors import PoolClosedError as PoolClosedError
 from jcxl._src.errors import PoolExhaustedError as PoolExhaustedError
@@ -24,6 +25,7 @@ from jcxl import distributed as distributed
 from jcxl import topology as topology
 
 __all__ = [
+    "CheckpointCorruptError",
     "JcxlError",
     "LinkModel",
     "Pool",

@@ -282,14 +282,15 @@ def parse_schedule(schedule: str | Schedule) -> Schedule:
     return {"sync": FixedSchedule(0), "bucket": BucketSchedule(),
             "dap": DapSchedule()}[schedule]
   kind, _, arg = schedule.partition(":")
-  if kind == "fixed" and re.fullmatch(r"\d+", arg):
+  if kind == "fixed" and re.fullmatch(r"\d{1,9}", arg):
     return FixedSchedule(int(arg))
   if kind == "bucket":
     try:
       elements = float(arg)
     except ValueError:
       elements = -1
-    if elements >= 1 and elements == int(elements):
+    # (inf and nan fail the comparison; 2**63 elements is past any model)
+    if 1 <= elements < 2**63 and elements == int(elements):
       return BucketSchedule(int(elements))
   if kind == "plan" and arg:
     return Plan.load(arg).as_schedule(source=arg)

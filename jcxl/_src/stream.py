@@ -17,6 +17,7 @@ import numpy as np
 
 from jcxl._src import errors
 from jcxl._src import registry
+from jcxl._src import validation
 from jcxl._src.pool_array import PoolArray
 
 P = jax.sharding.PartitionSpec
@@ -49,6 +50,15 @@ def _checked(x: Any, op: str) -> tuple[PoolArray, Any]:
           f"{x._what()}: object {handle} holds {info.dtype}{list(info.shape)}"
           f" but the PoolArray expects {x.dtype}{list(x.object_shard_shape)}")
   return x, pool
+
+
+def _copy_args(op: str, priority: Any, chunk_bytes: Any) -> tuple[int, int]:
+  """A copy's priority (int32) and chunk size (int64 >= 0), checked before
+  they become custom-call attributes."""
+  return (validation.as_count(priority, name=f"jcxl.{op} priority",
+                              low=validation.INT32_MIN,
+                              high=validation.INT32_MAX, what="an int32"),
+          validation.as_count(chunk_bytes, name=f"jcxl.{op} chunk_bytes"))
 
 
 def _local_shape(x: PoolArray, stacked: bool) -> tuple[int, ...]:
@@ -181,6 +191,7 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
   """
   registry.register_ffi_targets()
   x, pool = _checked(x, "fetch")
+  priority, chunk_bytes = _copy_args("fetch", priority, chunk_bytes)
   device_attrs = _device_attrs(x, index, pool)
   index, stacked = _index(index, x)
   sharded = isinstance(x.sharding, jax.sharding.NamedSharding)
@@ -325,6 +336,7 @@ def store_start(x: PoolArray, value: jax.Array, index: Any = None, *,
   """Starts writing `value` into PoolArray `x` (or its slice `index`)."""
   registry.register_ffi_targets()
   x, pool = _checked(x, "store")
+  priority, chunk_bytes = _copy_args("store", priority, chunk_bytes)
   device_attrs = _device_attrs(x, index, pool)
   index, stacked = _index(index, x)
   expected = x.shape[1:] if stacked else x.shape

@@ -1118,6 +1118,8 @@ def cxl_offload(fn: Callable | None = None, *,
   parsed = schedule_lib.parse_schedule(schedule)
 
   def wrap(f):
+    if not callable(f):
+      raise TypeError(f"cxl_offload decorates a function, but got {f!r}")
     return OffloadedStep(f, budget, parsed, in_shardings, out_shardings,
                          call_args.Signature(f, static_argnums,
                                              static_argnames, donate_argnums,
