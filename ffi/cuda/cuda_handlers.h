@@ -35,6 +35,8 @@
 #define JCXL_FFI_CUDA_CUDA_HANDLERS_H_
 
 #include <cstdint>
+#include <map>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -53,6 +55,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaStoreDone);
 // a negative CUDA error code (no device, no driver).
 double MemcpyBandwidth(int ordinal, uint64_t bytes, bool to_device,
                        int repeats);
+
+// What the transfers so far did, summed over devices: direct, direct after
+// reading a device index, staged (and staged because page-locking failed),
+// stale waits, failures, and the bounce buffers' allocations and reuses.
+std::map<std::string, uint64_t> Counters();
 
 // The number of CUDA devices (0 without a driver or a device).
 int DeviceCount();
