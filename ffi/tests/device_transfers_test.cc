@@ -6,7 +6,9 @@
 // wrong bytes, and a chunked registration as the locker's calls.
 #include "device_transfers.h"
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -57,6 +59,18 @@ struct FakeState {
   uint64_t copies[2] = {0, 0};
   int64_t live_events = 0;
   int64_t live_host_buffers = 0;
+  // While closed, Sync (what jcxl's own threads call) waits; the compute
+  // stream's waits do not.
+  std::mutex gate_mu;
+  std::condition_variable gate_cv;
+  bool gate_closed = false;
+  void SetGate(bool closed) {
+    {
+      std::lock_guard<std::mutex> lock(gate_mu);
+      gate_closed = closed;
+    }
+    gate_cv.notify_all();
+  }
 };
 
 class FakeDevice : public DeviceOps {
@@ -73,7 +87,7 @@ class FakeDevice : public DeviceOps {
     return NewEvent(-1, 0);
   }
   Status ComputeWaits(void*, DeviceEvent event) override {
-    return Sync(event);
+    return RunUpTo(event);
   }
   Status CopyWaits(Direction, DeviceEvent) override {
     return Status::Ok();  // compute's events have completed already
@@ -99,6 +113,13 @@ class FakeDevice : public DeviceOps {
     return NewEventLocked(d, s_->enqueued[d]);
   }
   Status Sync(DeviceEvent event) override {
+    {
+      std::unique_lock<std::mutex> lock(s_->gate_mu);
+      s_->gate_cv.wait(lock, [this] { return !s_->gate_closed; });
+    }
+    return RunUpTo(event);
+  }
+  Status RunUpTo(DeviceEvent event) {
     std::lock_guard<std::mutex> lock(s_->mu);
     auto it = s_->events.find(event);
     if (it == s_->events.end()) {
@@ -485,6 +506,7 @@ TEST(CompletionsLogWaitsReleaseEverythingAndDropThePoolOffTheLaunchThread) {
     closed_on_launch_thread = std::this_thread::get_id() == launch;
   });
   std::vector<char> got_direct(value.size()), got_staged(value.size());
+  rig.state->SetGate(true);  // no completion before the test lets go
   CHECK_OK(rig.transfers->Start(Fetch(pool, direct, got_direct)));
   CHECK_OK(rig.transfers->Start(Fetch(pool, staged, got_staged)));
   pool.reset();  // the transfers hold the last references
@@ -492,6 +514,7 @@ TEST(CompletionsLogWaitsReleaseEverythingAndDropThePoolOffTheLaunchThread) {
   CHECK_OK(rig.transfers->Done(nullptr, got_staged.data()));
   CHECK_CODE(rig.transfers->Done(nullptr, got_staged.data()),
              Code::kNotFound);
+  rig.state->SetGate(false);
   rig.transfers->Drain();
   CHECK(got_direct == value && got_staged == value);
   CHECK(!closed_on_launch_thread);
