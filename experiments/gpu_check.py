@@ -759,26 +759,28 @@ def table(result: dict[str, Any]) -> str:
     if name == "bandwidth":
       lines += ["  | transfer | host -> device GB/s | device -> host GB/s |",
                 "  | --- | --- | --- |"]
-      for t in value["tiers"]:
+      for t in value.get("tiers", []):
         lines.append(f"  | jcxl {t['tier']}: {t['label']} | "
                      f"{_fmt(t['h2d_gbps'])} | {_fmt(t['d2h_gbps'])} |")
       for key, what in (("cudaMemcpyAsync", "cudaMemcpyAsync, page-locked"),
                         ("device_put_pinned_host",
                          "jax.device_put, pinned_host")):
-        m = value[key]
-        lines.append(f"  | {what} | {_fmt(m.get('h2d_gbps', m.get('skipped')))}"
-                     f" | {_fmt(m.get('d2h_gbps'))} |")
+        m = value.get(key, {})
+        lines.append(f"  | {what} | "
+                     f"{_fmt(m.get('h2d_gbps', m.get('skipped')))} | "
+                     f"{_fmt(m.get('d2h_gbps'))} |")
     elif name == "steps":
       lines += ["  | mode | step ms | tokens/s | loss vs resident |",
                 "  | --- | --- | --- | --- |"]
-      for mode, row in value["modes"].items():
-        lines.append(f"  | {mode} | {_fmt(row['step_ms'])} | "
-                     f"{_fmt(row['tokens_per_s'])} | "
-                     f"{_fmt(row['max_loss_rel_diff'])}"
-                     f"{' (' + row['skipped'] + ')' if row['skipped'] else ''}"
-                     " |")
-      lines.append(f"  transfer floor: {_fmt(value['transfer_floor_ms'])} ms "
-                   f"({value['transfer_floor']})")
+      for mode, row in value.get("modes", {}).items():
+        skipped = row.get("skipped")
+        lines.append(f"  | {mode} | {_fmt(row.get('step_ms'))} | "
+                     f"{_fmt(row.get('tokens_per_s'))} | "
+                     f"{_fmt(row.get('max_loss_rel_diff'))}"
+                     f"{' (' + skipped + ')' if skipped else ''} |")
+      lines.append(f"  transfer floor: "
+                   f"{_fmt(value.get('transfer_floor_ms'))} ms "
+                   f"({value.get('transfer_floor')})")
     else:
       shown = {k: v for k, v in value.items() if k != "wall_s"}
       lines.append("  " + json.dumps(shown, default=str)[:2000])
