@@ -738,9 +738,10 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fmt(value: Any) -> str:
-  if isinstance(value, float):
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-  return "-" if value is None else str(value)
+  """A table cell: a number to 4 digits, a reason as it is, None as "-"."""
+  if isinstance(value, str):
+    return value
+  return exp_common.format_or_dash(value, ".4g")
 
 
 def table(result: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "check.h"
+#include "pool_fixtures.h"
 #include "pool.h"
 #include "test_util.h"
 
@@ -195,12 +196,6 @@ PoolConfig HostAndEmulatedCxl(uint64_t host = 16 * kMiB) {
   config.copy_threads = 2;
   config.chunk_bytes = 256 * kKiB;
   return config;
-}
-
-std::shared_ptr<Pool> NewPool(const PoolConfig& config) {
-  StatusOr<std::shared_ptr<Pool>> pool = Pool::Create(config);
-  CHECK_OK(pool);
-  return *pool;
 }
 
 int32_t Put(Pool& pool, TierKind tier, const std::vector<char>& bytes) {
