@@ -406,6 +406,8 @@ NB_MODULE(_jcxl, m) {
     return targets;
   });
   m.def("cuda_device_count", &cuda::DeviceCount);
+  m.def("cuda_flush", &cuda::Flush,
+        "Waits until every CUDA transfer so far is logged for the profiler.");
   m.def("cuda_counters", &cuda::Counters,
         "The CUDA transfers' paths so far (direct, direct_after_index, "
         "staged, staged_lock_failed, ...) and bounce-buffer reuse.");

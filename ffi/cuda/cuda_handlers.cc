@@ -436,10 +436,14 @@ double MemcpyBandwidth(int ordinal, uint64_t bytes, bool to_device,
   return static_cast<double>(bytes) * repeats / (ms * 1e-3);
 }
 
+void Flush() {
+  for (DeviceTransfers* transfers : AllTransfers()) transfers->Drain();
+}
+
 std::map<std::string, uint64_t> Counters() {
+  Flush();  // every transfer so far is counted
   std::map<std::string, uint64_t> out;
   for (DeviceTransfers* transfers : AllTransfers()) {
-    transfers->Drain();  // every transfer so far is counted
     DeviceCounters c = transfers->counters();
     HostBufferCache::Stats bounce = transfers->bounce_stats();
     out["direct"] += c.direct;

@@ -56,6 +56,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaStoreDone);
 double MemcpyBandwidth(int ordinal, uint64_t bytes, bool to_device,
                        int repeats);
 
+// Returns once every transfer issued so far has completed and been logged
+// (LogStreamWait): the completion thread logs each one shortly after it
+// ends, and a step's profile must see all of its own.
+void Flush();
+
 // What the transfers so far did, summed over devices: direct, direct after
 // reading a device index, staged (and staged because page-locking failed),
 // stale waits, failures, and the bounce buffers' allocations and reuses.
