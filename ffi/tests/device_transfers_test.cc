@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -169,6 +170,20 @@ class FakeDevice : public DeviceOps {
 };
 
 constexpr uint64_t kChunk = 1 * kMiB;  // the fake's lock chunk
+
+// Holds the fake's completions back while in scope; opens the gate again
+// on the way out, also when a CHECK ends the test early (no hang).
+class GateClosed {
+ public:
+  explicit GateClosed(FakeState& state) : state_(state) {
+    state_.SetGate(true);
+  }
+  ~GateClosed() { Open(); }
+  void Open() { state_.SetGate(false); }
+
+ private:
+  FakeState& state_;
+};
 
 struct Rig {
   std::shared_ptr<FakeState> state = std::make_shared<FakeState>();
@@ -362,10 +377,28 @@ TEST(StagedTransfersReuseBounceBuffersOnlyAfterTheirCopiesRan) {
     }
     rig.transfers->Drain();
   }
+  // A bounce buffer stays taken until the device ran its copy: here the
+  // fake's copies run only once the completion thread may sync.
+  GateClosed gate(*rig.state);
+  std::vector<char> got(300 * kKiB);
+  CHECK_OK(rig.transfers->Start(Fetch(pool, handles[0], got)));
+  const int64_t deadline = NowNs() + kLongWaitNs;
+  auto queued = [&] {
+    std::lock_guard<std::mutex> lock(rig.state->mu);
+    return rig.state->copies[1] == uint64_t{3 * kObjects + 1};
+  };
+  while (!queued() && NowNs() < deadline) std::this_thread::yield();
+  // Room for a completion that would give the buffer back too early.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_GT(rig.transfers->bounce_stats().in_use_bytes, uint64_t{0});
+  gate.Open();
+  CHECK_OK(rig.transfers->Done(nullptr, got.data()));
+  CHECK(got == values[0]);
+  rig.transfers->Drain();
   HostBufferCache::Stats bounce = rig.transfers->bounce_stats();
   // At most one per transfer in flight at once, then only reuses.
   CHECK_LE(bounce.allocations, uint64_t{kObjects});
-  CHECK_EQ(bounce.allocations + bounce.reuses, uint64_t{3 * kObjects});
+  CHECK_EQ(bounce.allocations + bounce.reuses, uint64_t{3 * kObjects + 1});
   CHECK_EQ(bounce.in_use_bytes, uint64_t{0});
   CHECK_EQ(bounce.frees, uint64_t{0});
   // A staged store: device bytes into the emulated tier.
@@ -373,7 +406,7 @@ TEST(StagedTransfersReuseBounceBuffersOnlyAfterTheirCopiesRan) {
   CHECK_OK(rig.transfers->Start(Store(pool, handles[0], device)));
   CHECK_OK(rig.transfers->Done(nullptr, device.data()));
   CHECK(Get(*pool, handles[0], device.size()) == device);
-  CHECK_EQ(rig.transfers->counters().staged, uint64_t{3 * kObjects + 1});
+  CHECK_EQ(rig.transfers->counters().staged, uint64_t{3 * kObjects + 2});
 }
 
 TEST(DirectStoreWritesThePoolsOwnPages) {
@@ -473,20 +506,21 @@ TEST(ReleaseUnlockedSkipsExactlyTheLockedChunks) {
 TEST(AStaleTransferIsWaitedForBeforeItsBufferIsReused) {
   Rig rig;
   std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());
-  std::vector<char> first = Pattern(256 * kKiB, 20);
-  std::vector<char> second = Pattern(256 * kKiB, 21);
-  for (TierKind tier : {TierKind::kHost, TierKind::kCxl}) {
-    const int32_t a = Put(*pool, tier, first);
-    const int32_t b = Put(*pool, tier, second);
-    std::vector<char> buffer(first.size());
-    // A failed step: a start without its done; XLA then reuses the buffer.
-    CHECK_OK(rig.transfers->Start(Fetch(pool, a, buffer)));
-    CHECK_OK(rig.transfers->Start(Fetch(pool, b, buffer)));
-    CHECK_OK(rig.transfers->Done(nullptr, buffer.data()));
-    CHECK(buffer == second);  // the stale copy ran first, never after
-  }
+  const std::vector<char> device_bytes = Pattern(256 * kKiB, 20);
+  const std::vector<char> other = Pattern(256 * kKiB, 21);
+  const int32_t stored = Put(*pool, TierKind::kHost, Pattern(256 * kKiB, 22));
+  const int32_t fetched = Put(*pool, TierKind::kHost, other);
+  std::vector<char> buffer = device_bytes;
+  // A failed step: a store's start without its done. XLA then reuses the
+  // buffer for a fetch, whose copy runs on the other copy stream: the
+  // store must have read the buffer before the fetch overwrites it.
+  CHECK_OK(rig.transfers->Start(Store(pool, stored, buffer)));
+  CHECK_OK(rig.transfers->Start(Fetch(pool, fetched, buffer)));
+  CHECK_OK(rig.transfers->Done(nullptr, buffer.data()));
   rig.transfers->Drain();
-  CHECK_EQ(rig.transfers->counters().stale_waits, uint64_t{2});
+  CHECK(buffer == other);
+  CHECK(Get(*pool, stored, device_bytes.size()) == device_bytes);
+  CHECK_EQ(rig.transfers->counters().stale_waits, uint64_t{1});
 }
 
 TEST(CompletionsLogWaitsReleaseEverythingAndDropThePoolOffTheLaunchThread) {
@@ -501,7 +535,7 @@ TEST(CompletionsLogWaitsReleaseEverythingAndDropThePoolOffTheLaunchThread) {
     closed_on_launch_thread = std::this_thread::get_id() == launch;
   });
   std::vector<char> got_direct(value.size()), got_staged(value.size());
-  rig.state->SetGate(true);  // no completion before the test lets go
+  GateClosed gate(*rig.state);  // no completion before the test lets go
   CHECK_OK(rig.transfers->Start(Fetch(pool, direct, got_direct)));
   CHECK_OK(rig.transfers->Start(Fetch(pool, staged, got_staged)));
   pool.reset();  // the transfers hold the last references
@@ -509,7 +543,7 @@ TEST(CompletionsLogWaitsReleaseEverythingAndDropThePoolOffTheLaunchThread) {
   CHECK_OK(rig.transfers->Done(nullptr, got_staged.data()));
   CHECK_CODE(rig.transfers->Done(nullptr, got_staged.data()),
              Code::kNotFound);
-  rig.state->SetGate(false);
+  gate.Open();
   rig.transfers->Drain();
   CHECK(got_direct == value && got_staged == value);
   CHECK(!closed_on_launch_thread);
