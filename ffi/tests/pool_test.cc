@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "check.h"
+#include "pool_fixtures.h"
 #include "test_util.h"
 
 namespace jcxl {
@@ -36,12 +37,6 @@ PoolConfig ThreeTiers(const std::string& nvme_dir, uint64_t host = 8 * kMiB,
   config.copy_threads = 2;
   config.chunk_bytes = 256 * kKiB;
   return config;
-}
-
-std::shared_ptr<Pool> NewPool(const PoolConfig& config) {
-  StatusOr<std::shared_ptr<Pool>> pool = Pool::Create(config);
-  CHECK_OK(pool);
-  return *pool;
 }
 
 int32_t Alloc(Pool& pool, TierKind tier, uint64_t bytes) {
