@@ -448,6 +448,12 @@ TEST(FreeWaitsForTransfersInFlight) {
   std::shared_ptr<Pool> pool = NewPool(config);
   const int32_t handle = Alloc(*pool, TierKind::kCxl, 4 * kMiB);
   const std::vector<char> data = Pattern(4 * kMiB, 5);
+  // The write is held by an injected stall, so the short wait below times
+  // out however slowly this thread is scheduled.
+  FaultSpec stall;
+  stall.kind = FaultSpec::Kind::kStall;
+  stall.direction = static_cast<int>(Direction::kToPool);
+  CHECK_OK(pool->InjectFault(stall));
   StatusOr<std::shared_ptr<Ticket>> ticket =
       pool->Write(handle, data.data(), data.size(), 0, 0, 0);
   CHECK_OK(ticket);
@@ -456,6 +462,7 @@ TEST(FreeWaitsForTransfersInFlight) {
   CHECK_CODE(early, Code::kTimeout);
   CHECK_CONTAINS(early.message(), "cannot free handle");
   CHECK_OK(pool->Info(handle));
+  CHECK_OK(pool->InjectFault(FaultSpec{}));  // releases the stalled write
   // A long one returns only after the transfer's last chunk (the ticket
   // itself may wake its waiters a moment later).
   CHECK_OK(pool->Free(handle, kLongWaitNs));
