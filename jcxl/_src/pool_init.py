@@ -331,19 +331,39 @@ def init_in_pool(fn: Callable[..., Any], *args: Any, pool: Pool,
 
 
 
-# Room kept per object for the allocator's alignment and bookkeeping.
-_OBJECT_SLACK = 2 << 20
+# The allocator's extents are page aligned; objects up to 64 KiB share
+# slab spans of 256 KiB, one size class to a span: each size counts a span
+# the first time a tier gets it.
+_PAGE = 4096
+_SLAB_MAX = 64 << 10
+_SPAN = 256 << 10
+
+
+def _charge(nbytes: int, small_sizes: set[int]) -> int:
+  """Bytes of a tier an object of `nbytes` is counted as using."""
+  if nbytes > _SLAB_MAX:
+    return -(-nbytes // _PAGE) * _PAGE
+  if nbytes in small_sizes:
+    return nbytes
+  return _SPAN
 _TIER_SPEED = ("host", "cxl", "nvme")  # fastest first
+
+
+def _leaf_bytes(leaf: Any) -> int:
+  return int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(
+      leaf.dtype).itemsize
 
 
 def tiers_by_reads(groups: Any, pool: Pool) -> list[Any]:
   """Chooses a pool tier for every leaf: the most read ahead in the fastest.
 
   Leaves read more often per step (parameters: for the forward pass, the
-  backward pass and their update) go to the fastest tier of `pool` with
-  room, before those read less often (optimizer moments: for their update
-  only); within a group, in the tree's order. What does not fit in a tier
-  goes to the next: host, then cxl, then nvme.
+  backward pass and their update) are placed before those read less often
+  (optimizer moments: for their update only), the larger first among
+  leaves read as often, each in the fastest tier of `pool` with room for
+  it: host, then cxl, then nvme. Room a more-read leaf was too large for
+  goes to the next leaves that fit, so a fast tier is left as full as it
+  can be.
 
   Example:
     >>> shapes = jax.eval_shape(init, key)
@@ -366,6 +386,7 @@ def tiers_by_reads(groups: Any, pool: Pool) -> list[Any]:
   """
   stats = pool.stats()
   room = {t: stats[t].free for t in _TIER_SPEED if stats[t].enabled}
+  small: dict[str, set[int]] = {t: set() for t in room}
   order = []
   kinds: list[list[str]] = []
   treedefs = []
@@ -376,15 +397,17 @@ def tiers_by_reads(groups: Any, pool: Pool) -> list[Any]:
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_pool_array)
     treedefs.append(treedef)
     kinds.append([""] * len(leaves))
-    order += [(-reads, g, i, leaf) for i, leaf in enumerate(leaves)]
-  for _, g, i, leaf in sorted(order, key=lambda x: x[:3]):
-    nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(
-        leaf.dtype).itemsize + _OBJECT_SLACK
-    tier = next((t for t, free in room.items() if free >= nbytes), None)
+    order += [(-reads, -_leaf_bytes(leaf), g, i, leaf)
+              for i, leaf in enumerate(leaves)]
+  for _, minus_bytes, g, i, leaf in sorted(order, key=lambda x: x[:4]):
+    nbytes = -minus_bytes
+    tier = next((t for t, free in room.items()
+                 if free >= _charge(nbytes, small[t])), None)
     if tier is None:
       raise ValueError(
-          f"a leaf of {nbytes - _OBJECT_SLACK} bytes (group {g}, leaf {i}) "
+          f"a leaf of {nbytes} bytes (group {g}, leaf {i}) "
           f"fits in no tier of pool {pool.id}: free bytes per tier {room}")
-    room[tier] -= nbytes
+    room[tier] -= _charge(nbytes, small[tier])
+    small[tier].add(nbytes)
     kinds[g][i] = tier
   return [jax.tree_util.tree_unflatten(d, k) for d, k in zip(treedefs, kinds)]
