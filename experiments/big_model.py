@@ -105,6 +105,10 @@ _RESULTS_DIR = flags.DEFINE_string("results_dir", "runs/big_model",
 _DD_BYTES = flags.DEFINE_string(
     "dd_bytes", "4GiB", "Size of the dd reference file.", flag_values=FLAGS)
 
+_SCAN_LAYERS = flags.DEFINE_boolean(
+    "scan_layers", False, "Stack the blocks and scan them (the backward "
+    "pass then holds every block's gradient at once).", flag_values=FLAGS)
+
 _VOCAB = 256  # byte tokens: the corpus is the standard library's sources
 _DISK_MARGIN = 8 << 30  # left free on the disk for everyone else
 _SLACK = 256 << 20      # per tier, for the allocator's alignment
@@ -127,6 +131,7 @@ class Config:
   checkpoint: str
   results_dir: str
   dd_bytes: int
+  scan_layers: bool = False
 
   def validate(self) -> None:
     common.check_directory(self.nvme_dir, flag="--nvme_dir")
@@ -139,9 +144,13 @@ class Config:
                        f"{bench.PAGE_BYTES} (O_DIRECT), got {self.chunk_bytes}")
 
   def model(self) -> gpt2.GPT2Config:
+    # Unrolled blocks: the step then updates each block as soon as its
+    # gradient is ready. With scanned blocks the backward scan returns the
+    # gradient of every block at once (11 GB at 2.8B parameters: the run
+    # was killed for memory).
     return gpt2.GPT2Config(vocab_size=_VOCAB, n_ctx=max(self.seq_len, 64),
                            n_embd=self.n_embd, n_layer=self.n_layer,
-                           n_head=self.n_head, scan_layers=True)
+                           n_head=self.n_head, scan_layers=self.scan_layers)
 
 
 def config_from_flags() -> Config:
@@ -154,33 +163,23 @@ def config_from_flags() -> Config:
       nvme_dir=_NVME_DIR.value,
       chunk_bytes=parse_bytes(_CHUNK.value, name="--chunk_bytes"),
       checkpoint=_CHECKPOINT.value, results_dir=_RESULTS_DIR.value,
-      dd_bytes=parse_bytes(_DD_BYTES.value, name="--dd_bytes"))
+      dd_bytes=parse_bytes(_DD_BYTES.value, name="--dd_bytes"),
+      scan_layers=_SCAN_LAYERS.value)
 
 
 # ------------------------------------------------------------ measuring
 
 
-def _status(key: str) -> int:
-  with open("/proc/self/status", encoding="utf-8") as f:
-    return next(int(l.split()[1]) << 10 for l in f if l.startswith(key))
-
-
 class PeakRss:
-  """The process's peak RSS over windows (VmHWM, reset through clear_refs);
-  the run's peak is the largest of them."""
+  """The process's peak RSS over windows; the run's peak is the largest."""
 
   def __init__(self):
     self.run_peak = 0
 
   def window(self) -> int:
     """The peak since the last call (then reset)."""
-    peak = _status("VmHWM:")
+    peak = common.peak_rss_since_reset()
     self.run_peak = max(self.run_peak, peak)
-    try:
-      with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
-        f.write("5")
-    except OSError:
-      pass  # not resettable here: windows then report the run's peak
     return peak
 
 
@@ -258,23 +257,25 @@ def _say(text: str) -> None:
 
 
 def layered_init(model: gpt2.GPT2Config) -> Callable[[jax.Array], Any]:
-  """``init(key)``: the scanned model's parameters, its blocks made one at
-  a time (block i from ``fold_in(blocks_key, i)``) and stacked, so that
-  ``jcxl.init_in_pool`` creates each block's leaves by themselves. The
-  tables (embeddings, final LayerNorm) are the model's own initializers.
+  """``init(key)``: the model's parameters with its blocks made one at a
+  time (block i from ``fold_in(blocks_key, i)``): ``blocks_{i}`` unrolled,
+  or stacked into ``blocks`` (scanned), so that ``jcxl.init_in_pool``
+  creates each block's leaves by themselves. The tables (embeddings, final
+  LayerNorm) are the model's own initializers.
   """
-  if not model.scan_layers:
-    raise ValueError("layered_init makes the scanned form: pass a config "
-                     "with scan_layers=True")
-
   def init(key: jax.Array) -> Any:
     tables_key, blocks_key = jax.random.split(key)
-    one = dataclasses.replace(model, n_layer=1)  # its block goes unused
+    # One block, to build the tables: its values go unused (and uncomputed).
+    one = dataclasses.replace(model, n_layer=1, scan_layers=True)
     params = model_common.pure_params(one.build(rngs=nnx.Rngs(tables_key)))
+    del params["blocks"]
     blocks = [model_common.pure_params(gpt2.make_block(
         model, rngs=nnx.Rngs(jax.random.fold_in(blocks_key, i))))
               for i in range(model.n_layer)]
-    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+    if model.scan_layers:
+      params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+    else:
+      params.update({f"blocks_{i}": b for i, b in enumerate(blocks)})
     return params
 
   return init
@@ -562,7 +563,8 @@ def markdown(r: dict[str, Any]) -> str:
   else:
     lines.append(
         f"checkpoint of the full state ({format_bytes(ck['bytes'])}): save "
-        f"{ck['save_s']:.0f} s, peak RSS {format_bytes(ck['save_peak_rss_bytes'])}"
+        f"{ck['save_s']:.0f} s, peak RSS "
+        f"{format_bytes(ck['save_peak_rss_bytes'])}"
         f"; restore {ck['restore_s']:.0f} s; resumed step loss "
         f"{ck['resumed_loss']:.6f} vs uninterrupted "
         f"{ck['uninterrupted_loss']:.6f}: "

@@ -65,8 +65,9 @@ class InitInPoolTest:
     got = jcxl.init_in_pool(stacked_init, key, pool=pool, kinds="nvme")
     assert_bit_equal(got, jax.jit(stacked_init)(key))
 
-  def test_layered_gpt2_init_equals_jit(self, pool):
-    config = gpt2.tiny(scan_layers=True, n_layer=3)
+  @pytest.mark.parametrize("scan_layers", [True, False])
+  def test_layered_gpt2_init_equals_jit(self, pool, scan_layers):
+    config = gpt2.tiny(scan_layers=scan_layers, n_layer=3)
     init = big_model.layered_init(config)
     got = jcxl.init_in_pool(init, jax.random.key(0), pool=pool, kinds="cxl")
     assert_bit_equal(got, jax.jit(init)(jax.random.key(0)))
@@ -86,19 +87,6 @@ class InitInPoolTest:
                                    "b": jnp.ones((1 << 20,))},
                           pool=small)
       assert small.handles() == []
-
-
-def _peak_rss_above(fn) -> int:
-  """Bytes of resident memory `fn` adds at its peak (VmHWM, reset through
-  /proc/self/clear_refs)."""
-  def status(key):
-    with open("/proc/self/status") as f:
-      return next(int(l.split()[1]) << 10 for l in f if l.startswith(key))
-  base = status("VmRSS:")
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-  fn()
-  return status("VmHWM:") - base
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
@@ -124,8 +112,10 @@ class MemoryTest:
       peaks = {}
       for pieces in (2, 8, 32):  # the first warms up JAX and XLA
         out = {}
-        peaks[pieces] = _peak_rss_above(lambda: out.update(jcxl.init_in_pool(
-            self.init(pieces), jax.random.key(0), pool=pool, kinds="nvme")))
+        peaks[pieces] = experiments_common.peak_rss_above(
+            lambda: out.update(jcxl.init_in_pool(
+                self.init(pieces), jax.random.key(0), pool=pool,
+                kinds="nvme")))
         got = jcxl.gather(out["m"])
         assert not np.asarray(got).any()
         jax.tree.map(lambda x: x.delete(), out,

@@ -82,27 +82,24 @@ def _fill_value(jaxpr: Any, out: Any) -> np.ndarray | None:
   return value_of(out)
 
 
-def _fill_shards(value: np.ndarray, *, pool: Pool, tier: Tier,
-                 sharding: jax.sharding.Sharding, aval: Any,
-                 path: str) -> PoolArray:
-  """A PoolArray whose every element is `value`, written a piece at a time
-  from one small buffer."""
+def _store_in_parts(parts: Callable[[], Any], *, pool: Pool, tier: Tier,
+                    sharding: jax.sharding.Sharding, aval: Any,
+                    path: str) -> PoolArray:
+  """A PoolArray whose object per device (each of the sharding's shard
+  shape) is written from the host arrays ``parts()`` yields, in order, a
+  few in flight at a time (never the whole shard). If a write fails, the
+  object is freed."""
   shard_shape = tuple(sharding.shard_shape(aval.shape))
-  itemsize = np.dtype(aval.dtype).itemsize
-  nbytes = int(np.prod(shard_shape, dtype=np.int64)) * itemsize
-  piece = np.full(max(1, min(nbytes, _FILL_BYTES) // itemsize),
-                  value.astype(aval.dtype))
 
   def make(device):
     del device
     handle = pool.allocate(shard_shape, aval.dtype, tier)
     try:
-      pending = []
-      for offset in range(0, nbytes, piece.nbytes):
-        size = min(piece.nbytes, nbytes - offset)
-        pending.append(pool.put_async(handle, piece.view(np.uint8)[:size],
-                                      offset=offset))
-        if len(pending) > 2:  # a few pieces in flight, not the whole leaf
+      pending, offset = [], 0
+      for part in parts():
+        pending.append(pool.put_async(handle, part, offset=offset))
+        offset += part.nbytes
+        if len(pending) > 2:
           pending.pop(0).wait()
       for transfer in pending:
         transfer.wait()
@@ -114,6 +111,20 @@ def _fill_shards(value: np.ndarray, *, pool: Pool, tier: Tier,
   return store_shards(None, make_object=make, pool=pool, tier=tier,
                       sharding=sharding, shape=aval.shape, dtype=aval.dtype,
                       path=path)
+
+
+def _fill_parts(value: np.ndarray, dtype: Any,
+                shape: tuple[int, ...]) -> Callable[[], Any]:
+  """Pieces of one small buffer of `value` that add up to `shape`'s bytes."""
+  itemsize = np.dtype(dtype).itemsize
+  nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+  piece = np.full(max(1, min(nbytes, _FILL_BYTES) // itemsize),
+                  value.astype(dtype)).view(np.uint8)
+
+  def parts():
+    for offset in range(0, nbytes, piece.nbytes):
+      yield piece[:min(piece.nbytes, nbytes - offset)]
+  return parts
 
 
 def _stacked_pieces(jaxpr: Any, out: Any) -> list[Any] | None:
@@ -131,29 +142,6 @@ def _stacked_pieces(jaxpr: Any, out: Any) -> list[Any] | None:
       return list(eqn.invars)
     return None
   return None
-
-
-def _write_pieces(closed: Any, pieces: list[Any], flat_args: list[Any],
-                  compiled: dict[Any, Any], *, pool: Pool, tier: Tier, sharding: jax.sharding.Sharding,
-                  aval: Any, path: str) -> PoolArray:
-  """A PoolArray written a piece (a stacked layer) at a time."""
-  def make(device):
-    del device
-    handle = pool.allocate(aval.shape, aval.dtype, tier)
-    try:
-      offset = 0
-      for piece in pieces:
-        host = _compute(closed, piece, flat_args, compiled)
-        pool.put_async(handle, host, offset=offset).wait()
-        offset += host.nbytes
-    except BaseException:
-      pool.free(handle)
-      raise
-    return handle
-
-  return store_shards(None, make_object=make, pool=pool, tier=tier,
-                      sharding=sharding, shape=aval.shape, dtype=aval.dtype,
-                      path=path)
 
 
 def _cut(closed: Any, out: Any) -> tuple[Any, list[bool]]:
@@ -313,12 +301,15 @@ def init_in_pool(fn: Callable[..., Any], *args: Any, pool: Pool,
         cut, _ = _cut(closed, out)
         fill = _fill_value(cut, cut.outvars[0])
       if fill is not None:
-        made.append(_fill_shards(fill, aval=aval, **where))
+        shard = tuple(sharding.shard_shape(aval.shape))
+        made.append(_store_in_parts(_fill_parts(fill, aval.dtype, shard),
+                                    aval=aval, **where))
         continue
       pieces = _stacked_pieces(closed.jaxpr, out)
       if pieces is not None and len(sharding.device_set) == 1:
-        made.append(_write_pieces(closed, pieces, flat_args, compiled,
-                                  aval=aval, **where))
+        made.append(_store_in_parts(
+            lambda pieces=pieces: (_compute(closed, p, flat_args, compiled)
+                                   for p in pieces), aval=aval, **where))
         continue
       value = _compute(closed, out, flat_args, compiled)
       made.append(to_pool(value, **where))
