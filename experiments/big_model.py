@@ -7,8 +7,8 @@ default) and an nvme tier on a real disk behind it; ``jcxl.tiers_by_reads``
 puts the leaves a step reads most often (parameters: forward, backward and
 update) in the fast tier first, the moments (read once) after them. The
 step is ``jcxl.cxl_offload`` of the plain train step (``jax.value_and_grad``
-of the loss, ``optax.adamw``), with the blocks stacked and streamed a layer
-at a time.
+of the loss, ``optax.adamw``) over unrolled blocks, streamed a block at a
+time, each block updated as soon as its gradient is ready.
 
 Each step prints its loss, time, stall, the bytes each tier read and wrote
 and the nvme tier's achieved GB/s (read and write, over the time the copy
@@ -30,8 +30,8 @@ Results: ``<results_dir>/results.json`` and ``results.md`` (config, date,
 machine, commit). The pool's nvme files and the checkpoint are deleted at
 the end.
 
-Command line (the run in docs/scale.md: 2.83B parameters, 34 GB of state
-on a 23.5 GiB machine; about 25 minutes on 2 cores and a 1 GB/s disk):
+Command line (2.83B parameters, 31.66 GiB of state, 1.35x this machine's
+23.54 GiB; see docs/scale.md for what has run):
 
   nice -n 10 python -m experiments.big_model --n_embd=2560 --n_layer=36 \
       --n_head=20 --seq_len=64 --batch=1 --steps=4 --fast_tier=cxl \
