@@ -14,11 +14,13 @@ fragmentation and allocation times side by side.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from experiments import results_file
 from jcxl._src import alloc_trace
 
 _MODELS = flags.DEFINE_list(
@@ -79,10 +81,13 @@ def main(argv):
   for trace in config.traces():
     logging.info("replaying %s", trace.model)
     comparisons.append(alloc_trace.compare(trace))
-  print(alloc_trace.format_table(alloc_trace.table_rows(comparisons)))
+  rows = alloc_trace.table_rows(comparisons)
+  print(alloc_trace.format_table(rows))
   if config.out:
     for path in alloc_trace.write_results(comparisons, config.out):
       logging.info("wrote %s", path)
+  results_file.write("alloc_trace", {"config": dataclasses.asdict(config),
+                                     "rows": rows}, sys.argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from absl import logging
 import jax
 import optax
 
+from experiments import results_file
 from jcxl._src import bench
 
 _HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
@@ -82,6 +83,8 @@ def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],
     with open(json_out, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=2)
     logging.info("wrote %s", json_out)
+  if jax.process_index() == 0:  # one file per run, not per process
+    results_file.write(results_file.program_name(argv[0]), results, sys.argv)
   return results
 
 

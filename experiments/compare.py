@@ -68,6 +68,7 @@ import optax
 import jcxl
 from experiments import common as exp_common
 from experiments import max_model
+from experiments import plots as exp_plots
 from jcxl._src import bench
 from jcxl._src.transform import device_need
 from jcxl._src.units import format_bytes
@@ -691,7 +692,7 @@ def run(config: Config) -> dict:
   with open(os.path.join(config.run_dir, "results.md"), "w",
             encoding="utf-8") as f:
     f.write(text)
-  plots(config, title, rows, found, losses)
+  exp_plots.if_available(plots, config, title, rows, found, losses)
   print(text)
   return {"title": title, "rows": rows, "summary": summary,
           "largest": {m: {"params": f["largest"].params if f["largest"]
