@@ -216,3 +216,31 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
   return train_step
+
+
+def _proc_status(key: str) -> int:
+  """A /proc/self/status figure in kB ('VmRSS:', 'VmHWM:'), as bytes."""
+  with open("/proc/self/status", encoding="utf-8") as f:
+    return next(int(l.split()[1]) << 10 for l in f if l.startswith(key))
+
+
+def peak_rss_since_reset() -> int:
+  """The process's peak RSS (VmHWM) since the last reset, then resets it
+  (Linux's /proc/self/clear_refs; where it cannot be reset, the peak of
+  the whole run)."""
+  peak = _proc_status("VmHWM:")
+  try:
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
+      f.write("5")
+  except OSError:
+    pass
+  return peak
+
+
+def peak_rss_above(fn: Callable[[], Any]) -> int:
+  """Bytes of resident memory `fn` adds at its peak."""
+  base = _proc_status("VmRSS:")
+  peak_rss_since_reset()
+  fn()
+  return peak_rss_since_reset() - base
+

@@ -32,10 +32,14 @@ need is temporaries + arguments + outputs - aliased bytes, the sum
    offloaded probe first reserves the candidate's parameters and optimizer
    state in the pool (``Pool.allocate``, full size; the bytes are not
    written, as the compile does not read them), so the pool's capacity
-   (`--pool_capacity`, default 40% of MemAvailable) bounds the search as
+   (`--pool_capacity`, default 40% of MemAvailable; with `--tier=nvme`,
+   80% of the disk's free space under `--nvme_dir`) bounds the search as
    the device budget does. Each search says what stopped it: the device
-   budget, the pool's capacity, or the end of the family (`--max_width`,
-   `--max_layers`).
+   budget, the pool's capacity (and where that came from), or the end of
+   the family (`--max_width`, `--max_layers`). The largest model of each
+   mode then runs one real train step (the offloaded one with its state
+   created in the pool leaf by leaf, ``jcxl.init_in_pool``), and its loss
+   is reported.
 
 Every table names the tier the state streams from as the pool reports it;
 an emulated cxl tier is labelled EMULATED, with its link model.
@@ -53,7 +57,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,6 +84,7 @@ from models import common as model_common
 from models import gpt2
 
 AUTO_POOL_FRACTION = 0.4
+AUTO_DISK_FRACTION = 0.8  # the disk is shared: a fifth stays free
 FAMILIES = ("width", "depth")
 MODES = ("resident", "offloaded")
 _LEARNING_RATE = 1e-3
@@ -230,11 +237,9 @@ def config_from_flags() -> Config:
   if _FAMILY.value not in FAMILIES:
     raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, but "
                      f"got {_FAMILY.value!r}")
+  tier = as_tier(_TIER.value.strip(), name="--tier")
   if _POOL_CAPACITY.value.strip() == "auto":
-    available = common.mem_available()
-    capacity = int(available * AUTO_POOL_FRACTION)
-    source = (f"auto: {AUTO_POOL_FRACTION:.0%} of MemAvailable "
-              f"{format_bytes(available)}")
+    capacity, source = auto_pool_capacity(tier, _NVME_DIR.value)
   else:
     capacity = parse_bytes(_POOL_CAPACITY.value, name="--pool_capacity")
     source = "--pool_capacity"
@@ -243,13 +248,27 @@ def config_from_flags() -> Config:
       seq_len=_SEQ_LEN.value,
       prefetch=tuple(_prefetch(s, "--schedule") for s in _SCHEDULE.value),
       search_prefetch=_prefetch(_SEARCH_SCHEDULE.value, "--search_schedule"),
-      tier=as_tier(_TIER.value.strip(), name="--tier"),
-      nvme_dir=_NVME_DIR.value,
+      tier=tier, nvme_dir=_NVME_DIR.value,
       device_budget=parse_bytes(_DEVICE_BUDGET.value, name="--device_budget"),
       pool_capacity=capacity, pool_capacity_source=source,
       family=_FAMILY.value, max_width=_MAX_WIDTH.value,
       max_layers=_MAX_LAYERS.value, search=_SEARCH.value,
       json_out=_JSON_OUT.value)
+
+
+def auto_pool_capacity(tier: Tier, nvme_dir: str) -> tuple[int, str]:
+  """The pool's 'auto' capacity and where it comes from: for the nvme
+  tier the disk under `nvme_dir` (its free space, less a margin), else
+  memory (a share of MemAvailable)."""
+  if tier is Tier.NVME:
+    free = shutil.disk_usage(nvme_dir).free if os.path.isdir(nvme_dir) else 0
+    capacity = max(0, int(free * AUTO_DISK_FRACTION))
+    return capacity, (f"auto: {AUTO_DISK_FRACTION:.0%} of the free disk "
+                      f"under {nvme_dir} ({format_bytes(free)})")
+  available = common.mem_available()
+  return int(available * AUTO_POOL_FRACTION), (
+      f"auto: {AUTO_POOL_FRACTION:.0%} of MemAvailable "
+      f"{format_bytes(available)}")
 
 
 # ------------------------------------------------------------- the model
@@ -632,7 +651,10 @@ def search(config: Config, pool: jcxl.Pool, part: dict[str, Any]
   for mode, probe in zip(MODES, (resident, offloaded)):
     logging.info("searching the %s family for %s", config.family, mode)
     best, reason, probes = largest(probe, start, limit)
-    out[mode] = {"largest": best, "stopped_by": reason, "probes": probes}
+    ran = (train_one_step(config, family_member(config, best.index), mode,
+                          pool) if best else None)
+    out[mode] = {"largest": best, "stopped_by": reason, "probes": probes,
+                 "step": ran}
   placed = part["offloaded"].get(config.search_prefetch)
   again = next((p for p in out["offloaded"]["probes"] if p.index == start),
                None)
@@ -640,6 +662,53 @@ def search(config: Config, pool: jcxl.Pool, part: dict[str, Any]
   if placed is not None and again is not None and again.need is not None:
     out["reserved_vs_placed"] = (again.need.total, placed.total)
   return out
+
+
+def _random_init(shapes_tree: Any) -> Callable[[jax.Array], Any]:
+  """``init(key)``: every leaf normal * 0.02 from its own key, so that
+  ``jcxl.init_in_pool`` computes one leaf at a time."""
+  def init(key):
+    leaves, treedef = jax.tree.flatten(shapes_tree)
+    return jax.tree.unflatten(treedef, [
+        0.02 * jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+        for i, x in enumerate(leaves)])
+  return init
+
+
+def train_one_step(config: Config, model: gpt2.GPT2Config, mode: str,
+                   pool: jcxl.Pool) -> dict[str, Any]:
+  """Runs one real train step of `model` (random weights, random tokens):
+  resident under jax.jit, or offloaded with its state created in the pool
+  leaf by leaf (``jcxl.init_in_pool``) and freed after."""
+  params_shape, _, _ = shapes(model, 1, 1)
+  tx = _optimizer()
+  init = _random_init(params_shape)
+  batch = gpt2.example_batch(model, batch_size=config.batch,
+                             seq_len=config.seq_len)
+  key = jax.random.key(0)
+  started = time.perf_counter()
+  if mode == "resident":
+    params = jax.jit(init)(key)
+    state = (params, tx.init(params))
+    step = jax.jit(train_step(model), donate_argnums=(0, 1))
+  else:
+    params = jcxl.init_in_pool(init, key, pool=pool, kinds=config.tier.value)
+    state = (params, jcxl.init_in_pool(tx.init, params, pool=pool,
+                                       kinds=config.tier.value))
+    step = jcxl.cxl_offload(train_step(model),
+                            schedule=f"fixed:{config.search_prefetch}",
+                            device_budget=config.device_budget)
+  try:
+    _, _, loss = step(*state, batch)
+    loss = float(loss)
+  finally:
+    if mode != "resident":
+      free(state)
+  seconds = time.perf_counter() - started
+  logging.info("%s %s: one step, loss %.4f, %.1f s with init and compile",
+               mode, model_name(model), loss, seconds)
+  return {"model": model_name(model), "loss": loss,
+          "finite": bool(np.isfinite(loss)), "seconds": seconds}
 
 
 def _search_table(found: dict[str, Any], config: Config, label: str
@@ -663,8 +732,16 @@ def _search_table(found: dict[str, Any], config: Config, label: str
     best = result["largest"]
     what = (f"{best.model}, {best.params / 1e6:.1f}M parameters, needs "
             f"{mib(best.need.total)}" if best else "nothing fits")
+    stopped = result["stopped_by"]
+    if stopped == "pool capacity":
+      stopped += f" ({config.pool_capacity_source})"
     lines.append(f"largest {modes[mode]}: {what}; search stopped by "
-                 f"{result['stopped_by']}")
+                 f"{stopped}")
+    ran = result.get("step")
+    if ran:
+      lines.append(f"  ran one real step: loss {ran['loss']:.4f} "
+                   f"({'finite' if ran['finite'] else 'NOT FINITE'}), "
+                   f"{ran['seconds']:.1f} s with init and compile")
   if found["reserved_vs_placed"]:
     reserved, placed = found["reserved_vs_placed"]
     lines.append(
@@ -754,6 +831,7 @@ def _to_json(config: Config, label: str, part: dict[str, Any],
         "largest": (found[mode]["largest"].to_json()
                     if found[mode]["largest"] else None),
         "stopped_by": found[mode]["stopped_by"],
+        "step": found[mode]["step"],
         "probes": [p.to_json() for p in found[mode]["probes"]]}
                         for mode in MODES}
     pair = found["reserved_vs_placed"]

@@ -14,6 +14,8 @@ from jcxl._src.errors import TransferTimeoutError as TransferTimeoutError
 from jcxl._src.errors import UnknownHandleError as UnknownHandleError
 from jcxl._src.placement import gather as gather
 from jcxl._src.placement import place as place
+from jcxl._src.pool_init import init_in_pool as init_in_pool
+from jcxl._src.pool_init import tiers_by_reads as tiers_by_reads
 from jcxl._src.pool import LinkModel as LinkModel
 from jcxl._src.pool import Pool as Pool
 from jcxl._src.pool import Tier as Tier
@@ -42,8 +44,10 @@ __all__ = [
     "distributed",
     "fetch",
     "gather",
+    "init_in_pool",
     "place",
     "store",
+    "tiers_by_reads",
     "topology",
 ]
 

@@ -326,19 +326,6 @@ class ErrorsTest:
     assert os.listdir(tmp_path) == ["nvme"]  # nothing written
 
 
-def _peak_rss_above(fn) -> int:
-  """Bytes of resident memory `fn` adds at its peak (Linux: VmHWM, reset
-  through /proc/self/clear_refs)."""
-  def status(key):
-    with open("/proc/self/status") as f:
-      return next(int(l.split()[1]) << 10 for l in f if l.startswith(key))
-  base = status("VmRSS:")
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-  fn()
-  return status("VmHWM:") - base
-
-
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                     reason="needs Linux's resettable peak RSS")
 class MemoryTest:
@@ -360,14 +347,16 @@ class MemoryTest:
       jcxl.checkpoint.restore(jcxl.checkpoint.save(tmp_path / "warm", warm),
                               like=warm, pool=nvme, tier="nvme")
       path = tmp_path / "ckpt"
-      saved = _peak_rss_above(lambda: jcxl.checkpoint.save(path, tree))
+      saved = experiments_common.peak_rss_above(
+          lambda: jcxl.checkpoint.save(path, tree))
       model = self.LEAF * self.LEAVES
       print(f"save: peak {saved / 2**20:.1f} MiB above baseline for a "
             f"{model / 2**20:.0f} MiB model of {self.LEAF / 2**20:.0f} MiB "
             "leaves")
       assert saved < 2 * self.LEAF
-      restored = _peak_rss_above(lambda: jcxl.checkpoint.restore(
-          path, like=tree, pool=nvme, tier="nvme"))
+      restored = experiments_common.peak_rss_above(
+          lambda: jcxl.checkpoint.restore(path, like=tree, pool=nvme,
+                                          tier="nvme"))
       print(f"restore into nvme: peak {restored / 2**20:.1f} MiB above "
             "baseline")
       assert restored < model / 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 from absl import app
 from absl import flags
@@ -72,6 +73,13 @@ class MaxModelTest:
     assert offloaded["stopped_by"] == "pool capacity"
     assert (offloaded["largest"]["params"] >
             search["resident"]["largest"]["params"])
+    # The largest of each mode ran one real step.
+    for mode in ("resident", "offloaded"):
+      step = search[mode]["step"]
+      assert step["finite"] and step["loss"] > 0, step
+      assert step["model"] == search[mode]["largest"]["model"]
+    assert text.count("ran one real step: loss") == 2
+    assert "search stopped by pool capacity (--pool_capacity)" in text
     not_placed = [p for p in offloaded["probes"] if p["need"] is None]
     assert not_placed and all(p["stopped_by"] == "pool capacity"
                               for p in not_placed)
@@ -88,6 +96,15 @@ class MaxModelTest:
     assert verdicts[0].startswith("PASS resident")
     assert verdicts[2].startswith("PASS offloaded gpt2 1x64 (4 heads) on "
                                   "reserved state")
+
+  def test_auto_capacity_of_nvme_is_the_disk(self, tmp_path):
+    capacity, source = max_model.auto_pool_capacity(jcxl.Tier.NVME,
+                                                     str(tmp_path))
+    free = shutil.disk_usage(tmp_path).free
+    assert abs(capacity - max_model.AUTO_DISK_FRACTION * free) < 2**30
+    assert "free disk" in source and str(tmp_path) in source
+    _, source = max_model.auto_pool_capacity(jcxl.Tier.CXL, str(tmp_path))
+    assert "MemAvailable" in source
 
   def test_full_pool_is_reported_not_raised(self):
     model = gpt2.tiny()

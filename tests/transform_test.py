@@ -285,6 +285,13 @@ class CompiledStepTest:
     layer0 = step.plan.layer("['layer0']")
     assert layer0.nbytes == (DIM * DIM + DIM) * 4 and layer0.prefetch == 2
     assert "cxl" in layer0.tiers and "layer0" in str(step.plan)
+    # Every leaf in cxl, most fetched for the forward, backward and update
+    # (listed first), some fewer times (a leaf of the last layer, whose
+    # forward and backward uses are one cluster; a bias).
+    (cxl,) = step.plan.placement
+    assert re.fullmatch(r"cxl: \S+ \S+ fetched 3x per step(, \S+ \S+ fetched "
+                        r"[12]x per step)*", cxl), cxl
+    assert "placement:\n  cxl: " in str(step.plan)
     report = {r.name: r for r in step.report()}
     # Forward, backward and update each fetch the weights; one store.
     assert report["['layer0']"].bytes_fetched >= 2 * layer0.nbytes

@@ -109,3 +109,10 @@ def saved_residual_bytes(fn, *args) -> int:
   return sum(math.prod(aval.shape) * aval.dtype.itemsize
              for aval, why in ad_checkpoint.saved_residuals(fn, *args)
              if "argument" not in why)
+
+
+def dce_jaxpr(jaxpr, used_outputs):
+  """`jaxpr` cut down to the work `used_outputs` need; with the inputs
+  that work reads (a list of bools, one per input)."""
+  from jax._src.interpreters import partial_eval  # pylint: disable=g-import-not-at-top
+  return partial_eval.dce_jaxpr(jaxpr, used_outputs, instantiate=True)

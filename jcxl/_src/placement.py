@@ -117,16 +117,21 @@ def _check_devices(pool: Pool, devices: np.ndarray, path: str) -> None:
           f"pool {pool.id} serves node {pool.node}; use a pool per node")
 
 
-def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
+def store_shards(shard_of: Callable[[Any], np.ndarray] | None, *, pool: Pool,
                  tier: Tier, sharding: jax.sharding.Sharding,
-                 shape: tuple[int, ...], dtype: Any, path: str) -> PoolArray:
+                 shape: tuple[int, ...], dtype: Any, path: str,
+                 make_object: Callable[[Any], int] | None = None
+                 ) -> PoolArray:
   """A PoolArray of one new object per local device of `sharding`, each
-  holding ``shard_of(device)``. If any put fails, the objects made so far
-  are freed and the error raised: the pool holds what it held before.
+  holding ``shard_of(device)`` (or made by ``make_object(device)``, which
+  returns its handle). If any fails, the objects made so far are freed and
+  the error raised: the pool holds what it held before.
 
   A dtype in non-native byte order is stored (and recorded) as its native
   twin, as ``Pool.put`` does."""
   shape, dtype, _ = validation.object_spec(shape, dtype, what=f"leaf {path}")
+  if make_object is None:
+    make_object = lambda device: pool.put(shard_of(device), tier)
   devices, handle_sharding = device_grid(sharding)
   _check_devices(pool, devices, path)
   if distributed.spans_processes(devices.flat):
@@ -137,7 +142,7 @@ def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
   try:
     for position, device in np.ndenumerate(devices):
       if device.process_index == me:
-        handles[position] = pool.put(shard_of(device), tier)
+        handles[position] = make_object(device)
         local.append((device.id, int(handles[position])))
   except BaseException:
     for _, handle in local:

@@ -184,12 +184,15 @@ class Plan:
     reasons: why the planner chose it, one line per decision.
     made_for: the step it was made for; a saved plan is refused by a step
       whose pool-resident leaves differ (names, shapes, dtypes, count).
+    placement: per tier, the bytes of the leaves it holds by how often the
+      step fetches them (see ``placement_lines``).
   """
   layers: tuple[LayerPlan, ...]
   schedule: str
   predicted_step_s: float | None = None
   reasons: tuple[str, ...] = ()
   made_for: MadeFor | None = None
+  placement: tuple[str, ...] = ()
 
   def layer(self, name: str) -> LayerPlan:
     for layer in self.layers:
@@ -215,7 +218,9 @@ class Plan:
     if self.predicted_step_s is not None:
       head += f", predicted step {self.predicted_step_s * 1e3:.2f} ms"
     why = "".join(f"\n  {r}" for r in self.reasons)
-    return f"{head}:\n{self.table()}" + (f"\nwhy:{why}" if why else "")
+    where = "".join(f"\n  {p}" for p in self.placement)
+    return (f"{head}:\n{self.table()}" + (f"\nwhy:{why}" if why else "") +
+            (f"\nplacement:{where}" if where else ""))
 
   def as_schedule(self, source: str = "") -> LayerSchedule:
     """This plan's distances and chunks, to compile a step with (the
@@ -230,6 +235,7 @@ class Plan:
     return {"schedule": self.schedule,
             "predicted_step_s": self.predicted_step_s,
             "reasons": list(self.reasons),
+            "placement": list(self.placement),
             "layers": [dataclasses.asdict(l) for l in self.layers],
             "made_for": (dataclasses.asdict(self.made_for)
                          if self.made_for else None)}
@@ -244,7 +250,8 @@ class Plan:
         made_for = MadeFor(tuple(made_for["layer_names"]),
                            int(made_for["leaves"]), str(made_for["digest"]))
       return cls(layers, str(data["schedule"]), data.get("predicted_step_s"),
-                 tuple(data.get("reasons", ())), made_for)
+                 tuple(data.get("reasons", ())), made_for,
+                 tuple(data.get("placement", ())))
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"not a jcxl plan: {e!r}") from None
 
@@ -264,6 +271,25 @@ class Plan:
     except json.JSONDecodeError as e:
       raise ValueError(f"plan {path!r} is not JSON: {e}") from None
     return cls.from_json(data)
+
+
+def placement_lines(leaves: Sequence[tuple[str, int, int]]
+                    ) -> tuple[str, ...]:
+  """One line per tier: its bytes by how many times a step fetches them.
+
+  Args:
+    leaves: ``(tier, bytes, fetches per step)`` of each pool-resident leaf.
+  """
+  by_tier: dict[str, dict[int, int]] = {}
+  for tier, nbytes, reads in leaves:
+    counts = by_tier.setdefault(tier, {})
+    counts[reads] = counts.get(reads, 0) + nbytes
+  order = {"host": 0, "cxl": 1, "nvme": 2}
+  return tuple(
+      f"{tier}: " + ", ".join(
+          f"{format_bytes(n)} fetched {r}x per step"
+          for r, n in sorted(by_tier[tier].items(), reverse=True))
+      for tier in sorted(by_tier, key=lambda t: order.get(t, 3)))
 
 
 _GRAMMAR = ("schedule must be 'fixed:k' (k >= 0: prefetch distance in "

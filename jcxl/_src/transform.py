@@ -700,9 +700,11 @@ class OffloadedStep:
                    made_for: schedule_lib.MadeFor,
                    tuned: bool = True) -> schedule_lib.Plan:
     layers = collections.OrderedDict()
-    for c in planner.clusters + [
+    all_clusters = planner.clusters + [
         Cluster(k, i, i) for i, s in planner.streamed.items()
-        for k in s.values()]:
+        for k in s.values()]
+    reads = collections.Counter(c.key for c in all_clusters)
+    for c in all_clusters:
       target = resident[c.key]
       if not isinstance(target, PoolArray):
         continue
@@ -714,6 +716,10 @@ class OffloadedStep:
         self._groups[handle] = name
         if j == 0:
           self._first_device[handle] = name
+    pooled = {c.key: resident[c.key] for c in all_clusters
+              if isinstance(resident[c.key], PoolArray)}
+    placement = schedule_lib.placement_lines(
+        [(t.tier.value, shard_bytes(t), reads[k]) for k, t in pooled.items()])
     rows = []
     for name, entry in layers.items():
       rows.append(schedule_lib.LayerPlan(
@@ -729,7 +735,8 @@ class OffloadedStep:
           {l.name: l.chunk_bytes for l in rows})
       reasons = ()
     return schedule_lib.Plan(tuple(rows), str(self._schedule),
-                             prediction.step_s, reasons, made_for)
+                             prediction.step_s, reasons, made_for,
+                             placement)
 
   @property
   def plan(self) -> schedule_lib.Plan | None:
