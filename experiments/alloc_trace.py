@@ -2,7 +2,7 @@ r"""Replays model allocation traces on jcxl's allocator and a first-fit one.
 
 Builds, for each model, the allocation trace of training it with Adam
 (parameters, moments, gradients, checkpointed activations and transient
-buffers; see jcxl/_src/alloc_trace.py), replays it on the hybrid allocator
+buffers; see benchmarks/alloc_trace.py), replays it on the hybrid allocator
 (size-class slabs plus best-fit extents, 4 KiB granularity) and on a plain
 first-fit allocator with 16-byte alignment (malloc-like), and prints their
 fragmentation and allocation times side by side.
@@ -19,7 +19,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from jcxl._src import alloc_trace
+from benchmarks import alloc_trace
 
 _MODELS = flags.DEFINE_list(
     "models", list(alloc_trace.MODEL_NAMES),

@@ -16,7 +16,7 @@ from absl import logging
 import jax
 import optax
 
-from jcxl._src import bench
+from benchmarks import bench
 
 _HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 # Comparing a trained state with a reference computed another way (offloaded

@@ -68,11 +68,11 @@ import optax
 import jcxl
 from experiments import common as exp_common
 from experiments import max_model
-from jcxl._src import bench
-from jcxl._src.transform import device_need
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from jcxl.planning import device_need
+from jcxl.units import format_bytes
+from jcxl.units import parse_bandwidth
+from jcxl.units import parse_bytes
+from benchmarks import bench
 from models import common
 from models import data
 from models import gpt2

@@ -59,12 +59,9 @@ import jax
 import optax
 
 import jcxl
-from jcxl._src import compute_measure
-from jcxl._src import costmodel
-from jcxl._src import transfer_estimate
-from jcxl._src.transform import step_timeline
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from jcxl import planning
+from jcxl.units import parse_bandwidth
+from jcxl.units import parse_bytes
 from experiments import common as exp_common
 from models import common
 from models import gpt2
@@ -234,22 +231,21 @@ class Case:
                             ((self.params, self.tx.init(self.params)),
                              self.batch))
     self.timelines = {
-        "measured": compute_measure.measured_timeline(self.step_fn,
-                                                      *abstract)[0],
-        "alone": step_timeline(self.step_fn, *abstract, timed=True)[0]}
+        "measured": planning.measured_timeline(self.step_fn, *abstract)[0],
+        "alone": planning.step_timeline(self.step_fn, *abstract,
+                                        timed=True)[0]}
 
   def offline_predictions(self, plan: Any, link: jcxl.LinkModel
                           ) -> dict[str, float]:
     """The step time the cost model gives `plan` before anything ran, on
     each of the timelines: the emulated link, each transfer holding it for
     the copy engine's round trip (measured)."""
-    links = {"cxl": costmodel.Link(
+    links = {"cxl": planning.Link(
         link.bandwidth, link.latency_s,
-        hold_s=transfer_estimate.round_trip_seconds())}
+        hold_s=planning.round_trip_seconds())}
     prefetch = {l.name: l.prefetch for l in plan.layers}
     chunks = {l.name: l.chunk_bytes for l in plan.layers}
-    return {name: costmodel.simulate(timeline, prefetch, links,
-                                     chunks).step_s
+    return {name: planning.simulate(timeline, prefetch, links, chunks).step_s
             for name, timeline in self.timelines.items()}
 
   def place(self, pool):

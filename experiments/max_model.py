@@ -68,12 +68,11 @@ import optax
 
 import jcxl
 from experiments import common
-from jcxl._src import bench
-from jcxl._src.pool import Tier
-from jcxl._src.pool import as_tier
-from jcxl._src.pool_array import PoolArray
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bytes
+from jcxl import PoolArray
+from jcxl import Tier
+from jcxl.units import format_bytes
+from jcxl.units import parse_bytes
+from benchmarks import bench
 from models import common as model_common
 from models import gpt2
 
@@ -243,7 +242,7 @@ def config_from_flags() -> Config:
       seq_len=_SEQ_LEN.value,
       prefetch=tuple(_prefetch(s, "--schedule") for s in _SCHEDULE.value),
       search_prefetch=_prefetch(_SEARCH_SCHEDULE.value, "--search_schedule"),
-      tier=as_tier(_TIER.value.strip(), name="--tier"),
+      tier=Tier.parse(_TIER.value.strip(), name="--tier"),
       nvme_dir=_NVME_DIR.value,
       device_budget=parse_bytes(_DEVICE_BUDGET.value, name="--device_budget"),
       pool_capacity=capacity, pool_capacity_source=source,

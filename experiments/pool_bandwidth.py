@@ -34,12 +34,11 @@ import numpy as np
 
 import jcxl
 from experiments import common
-from jcxl._src import bench
-from jcxl._src.pool import Tier
-from jcxl._src.pool import as_tier
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from jcxl import Tier
+from jcxl.units import format_bytes
+from jcxl.units import parse_bandwidth
+from jcxl.units import parse_bytes
+from benchmarks import bench
 
 _SIZE = flags.DEFINE_string(
     "size", "256MiB", "Bytes per transfer, e.g. '256MiB' (a multiple of 4096).")
@@ -125,7 +124,7 @@ def config_from_flags() -> Config:
   Raises:
     ValueError: naming the flag whose value cannot be parsed.
   """
-  tiers = tuple(as_tier(t.strip(), name="--tiers") for t in _TIERS.value)
+  tiers = tuple(Tier.parse(t.strip(), name="--tiers") for t in _TIERS.value)
   link = jcxl.LinkModel(
       bandwidth=parse_bandwidth(_CXL_BANDWIDTH.value, name="--cxl_bandwidth"),
       latency_s=_CXL_LATENCY_US.value * 1e-6)

@@ -57,13 +57,13 @@ import numpy as np
 
 import jcxl
 from experiments import common
-from jcxl._src import bench
-from jcxl._src.placement import place
-from jcxl._src.pool import TransferRecord
-from jcxl._src.stream import fetch
-from jcxl._src.stream import layer_scan
-from jcxl._src.units import format_bandwidth
-from jcxl._src.units import format_bytes
+from jcxl import fetch
+from jcxl import layer_scan
+from jcxl import place
+from jcxl import TransferRecord
+from jcxl.units import format_bandwidth
+from jcxl.units import format_bytes
+from benchmarks import bench
 
 # The program's flags live in a FlagValues of its own, not absl's global one:
 # tests import several experiments into one process, and others define

@@ -1,4 +1,4 @@
-"""Tests for jcxl._src.alloc_trace: model shapes, traces and their replay."""
+"""Tests for benchmarks.alloc_trace: model shapes, traces and their replay."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from benchmarks import alloc_trace
 from experiments import alloc_trace as program
 from jcxl import PoolExhaustedError
-from jcxl._src import alloc_trace
 
 FRAGMENTATION_LIMIT = 0.05
 LIVE_OVER_RESERVED_LIMIT = 0.95

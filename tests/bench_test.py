@@ -1,4 +1,4 @@
-"""Tests for jcxl._src.bench and a dry run of experiments/pool_bandwidth.py."""
+"""Tests for benchmarks.bench and a dry run of experiments/pool_bandwidth.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 
+from benchmarks import bench
 from experiments import pool_bandwidth
-from jcxl._src import bench
 
 FLAGS = flags.FLAGS
 

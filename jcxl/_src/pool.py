@@ -55,19 +55,24 @@ class Tier(str, enum.Enum):
   def index(self) -> int:
     return _TIER_INDEX[self]
 
+  @classmethod
+  def parse(cls, value: str | Tier, *, name: str = "tier") -> Tier:
+    """The tier named `value`; a ValueError naming `name` if none is."""
+    try:
+      return cls(value)
+    except ValueError:
+      choices = ", ".join(repr(t.value) for t in cls)
+      raise ValueError(f"{name} must be one of {choices}, but got {value!r}"
+                       ) from None
+
 
 _TIER_INDEX = {Tier.HOST: 0, Tier.CXL: 1, Tier.NVME: 2}
 _TIERS_BY_INDEX = {i: t for t, i in _TIER_INDEX.items()}
 
 
 def as_tier(value: str | Tier, *, name: str = "tier") -> Tier:
-  """Validates a tier name."""
-  try:
-    return Tier(value)
-  except ValueError:
-    choices = ", ".join(repr(t.value) for t in Tier)
-    raise ValueError(f"{name} must be one of {choices}, but got {value!r}"
-                     ) from None
+  """Validates a tier name (see Tier.parse)."""
+  return Tier.parse(value, name=name)
 
 
 @dataclasses.dataclass(frozen=True)
