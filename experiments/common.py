@@ -18,6 +18,7 @@ import optax
 
 from benchmarks import bench
 
+
 _HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 # Comparing a trained state with a reference computed another way (offloaded
 # vs resident, two processes vs one): each leaf may differ by this much of

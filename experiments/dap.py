@@ -38,7 +38,7 @@ Writes results.csv, results.md, step_time.png, memory.png and stall.png
 into --run_dir; the emulated link parameters are in every title.
 
   python -m experiments.dap --models=gpt2_bigvocab,wide_narrow,one_big \
-      --bandwidths=0.5GB/s,2GB/s,16GB/s --steps=24 --run_dir=runs/dap
+      --link_bandwidths=0.5GB/s,2GB/s,16GB/s --steps=24 --run_dir=runs/dap
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from jcxl import planning
 from jcxl.units import parse_bandwidth
 from jcxl.units import parse_bytes
 from experiments import common as exp_common
+from experiments import flags as shared_flags
 from models import common
 from models import gpt2
 from models import mlp
@@ -100,12 +101,9 @@ CONFIRM_BATCH = 8
 
 _MODELS = flags.DEFINE_list("models", list(MODELS), "models to run",
                             flag_values=FLAGS)
-_BANDWIDTHS = flags.DEFINE_list(
-    "bandwidths", ["0.5GB/s", "2GB/s", "16GB/s"],
-    "emulated cxl link bandwidths", flag_values=FLAGS)
-_LATENCY_US = flags.DEFINE_float(
-    "link_latency_us", 2.0, "emulated cxl latency per transfer",
-    flag_values=FLAGS)
+_BANDWIDTHS = shared_flags.link_bandwidths(
+    FLAGS, default=["0.5GB/s", "2GB/s", "16GB/s"])
+_LATENCY_US = shared_flags.link_latency_us(FLAGS)
 _SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "schedules",
                                flag_values=FLAGS)
 _STEPS = flags.DEFINE_integer(
@@ -131,8 +129,7 @@ _SOLO_STEPS = flags.DEFINE_integer(
 _TUNE_STEPS = flags.DEFINE_integer(
     "tune_steps", 200, "most untimed steps DAP may tune for (twice that to "
     "re-plan after the link slows)", flag_values=FLAGS)
-_BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
-                              flag_values=FLAGS)
+_BUDGET = shared_flags.device_budget(FLAGS, default="1GiB")
 _TIGHT_MODELS = flags.DEFINE_list(
     "tight_models", ["one_big"],
     "models also run at the middle bandwidth with a tight device budget: "
@@ -148,8 +145,7 @@ _SLOWDOWN_MODEL = flags.DEFINE_string(
     "the middle bandwidth (one whose tuned step still waits on transfers: "
     "GPT-2's tuned plan hid a 2x slower link, 606 -> 630 ms, with nothing "
     "to re-plan)", flag_values=FLAGS)
-_RUN_DIR = flags.DEFINE_string("run_dir", "runs/dap", "output directory",
-                               flag_values=FLAGS)
+_RUN_DIR = shared_flags.run_dir(FLAGS, default="runs/dap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +193,7 @@ class Config:
 def config_from_flags() -> Config:
   return Config(
       models=tuple(_MODELS.value),
-      bandwidths=tuple(parse_bandwidth(b, name="--bandwidths")
+      bandwidths=tuple(parse_bandwidth(b, name="--link_bandwidths")
                        for b in _BANDWIDTHS.value),
       latency_s=_LATENCY_US.value * 1e-6, schedules=tuple(_SCHEDULES.value),
       steps=_STEPS.value, confirm_rounds=_CONFIRM_ROUNDS.value,

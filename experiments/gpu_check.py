@@ -48,6 +48,7 @@ import optax
 import jcxl
 from experiments import common as exp_common
 from experiments import compare
+from experiments import flags as shared_flags
 from jcxl import _jcxl
 from jcxl.units import format_bytes
 from jcxl.units import parse_bytes
@@ -56,12 +57,11 @@ from models import data
 from models import gpt2
 
 FLAGS = flags.FlagValues()
-_DRY_RUN = flags.DEFINE_boolean(
-    "dry_run", False, "Run on the CPU with small sizes (no GPU needed); what "
-    "needs CUDA is reported as skipped.", flag_values=FLAGS)
-_RUN_DIR = flags.DEFINE_string("run_dir", "runs/gpu_check",
-                               "Where gpu_check.json goes.",
-                               flag_values=FLAGS)
+_DRY_RUN = shared_flags.dry_run(
+    FLAGS, help_text="Run on the CPU with small sizes (no GPU needed); what "
+    "needs CUDA is reported as skipped.")
+_RUN_DIR = shared_flags.run_dir(FLAGS, default="runs/gpu_check",
+                                help_text="Where gpu_check.json goes.")
 _TRANSFER_BYTES = flags.DEFINE_string(
     "transfer_bytes", None, "Bytes per bandwidth transfer (default 256MiB, "
     "8MiB with --dry_run).", flag_values=FLAGS)
@@ -75,17 +75,16 @@ _WIDTH = flags.DEFINE_integer("width", None, "Model width for (c) (default "
                               "1024, 64 with --dry_run).", flag_values=FLAGS)
 _LAYERS = flags.DEFINE_integer("layers", None, "Blocks for (c) (default 24, "
                                "2 with --dry_run).", flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer("batch", None, "Sequences per step in (c) "
-                              "(default 8, 2 with --dry_run).",
-                              flag_values=FLAGS)
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per sequence in (c)"
-                                " (default 256, 32 with --dry_run).",
-                                flag_values=FLAGS)
+_BATCH = shared_flags.batch(FLAGS, default=None, help_text="Sequences "
+                            "per step in (c) (default 8, 2 with --dry_run).")
+_SEQ_LEN = shared_flags.seq_len(FLAGS, default=None, help_text="Tokens per "
+                                "sequence in (c) (default 256, 32 with "
+                                "--dry_run).")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed rounds in (c).",
                                lower_bound=1, flag_values=FLAGS)
-_NVME_DIR = flags.DEFINE_string("nvme_dir", None, "Directory for the nvme "
-                                "tier (default: the system's temporary one).",
-                                flag_values=FLAGS)
+_NVME_DIR = shared_flags.nvme_dir(FLAGS, default=None, help_text="Directory "
+                                  "for the nvme tier (default: the system's "
+                                  "temporary one).")
 
 TIERS = ("host", "cxl", "nvme")
 STEP_MODES = ("resident", "jax_host", "cxl_fixed", "cxl_dap")

@@ -23,7 +23,7 @@ what the compiler makes of the whole step, which segments timed alone do
 not; it needs the state in host memory). Activations are the residuals
 the forward pass saves for the backward pass. With --validate, a small
 model is also planned for this machine (its cxl tier EMULATED behind
---validate_link, each transfer holding the link for the copy engine's
+--link_bandwidth, each transfer holding the link for the copy engine's
 measured round trip) and run: the step time predicted from measured and
 from timed-alone compute, and the measured one, are printed.
 
@@ -53,6 +53,7 @@ from jcxl.units import format_bytes
 from jcxl.units import parse_bandwidth
 from jcxl.units import parse_bytes
 from experiments import common as exp_common
+from experiments import flags as shared_flags
 from models import common
 from models import gpt2
 from models import llama
@@ -64,9 +65,8 @@ FAMILIES = {"gpt2": (gpt2, "n_layer", "n_ctx"),
 _MODEL = flags.DEFINE_string("model", "gpt2:small",
                              "family:preset, e.g. gpt2:medium, llama:llama3_1b",
                              flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
-_SEQ = flags.DEFINE_integer("seq_len", 256, "sequence length",
-                            flag_values=FLAGS)
+_BATCH = shared_flags.batch(FLAGS, default=4)
+_SEQ = shared_flags.seq_len(FLAGS, default=256)
 _DEVICE_MEMORY = flags.DEFINE_string("device_memory", "2GiB",
                                      "device memory", flag_values=FLAGS)
 _TFLOPS = flags.DEFINE_float(
@@ -82,26 +82,25 @@ _CXL = flags.DEFINE_list("cxl", ["64GiB@16GB/s"],
                          "CXL cards as capacity@bandwidth", flag_values=FLAGS)
 _NVME = flags.DEFINE_string("nvme", "", "NVMe as capacity@bandwidth",
                             flag_values=FLAGS)
-_LATENCY_US = flags.DEFINE_float("latency_us", 2.0,
-                                 "latency per transfer (all tiers)",
-                                 flag_values=FLAGS)
+_LATENCY_US = shared_flags.link_latency_us(
+    FLAGS, help_text="latency per transfer of every link, in microseconds "
+    "(--validate: of the emulated cxl link)")
 _MAX_LAYERS = flags.DEFINE_integer(
     "max_layers", 256, "deepest model the largest-model search plans",
     flag_values=FLAGS)
 _VALIDATE = flags.DEFINE_bool("validate", False,
                               "also run a small model here: predicted vs "
                               "measured step time", flag_values=FLAGS)
-_VALIDATE_LINK = flags.DEFINE_string("validate_link", "1GB/s",
-                                     "emulated cxl link for --validate",
-                                     flag_values=FLAGS)
+_VALIDATE_LINK = shared_flags.link_bandwidth(
+    FLAGS, default="1GB/s", help_text="bandwidth of the emulated cxl link "
+    "--validate runs on")
 _MEASURE_COMPUTE = flags.DEFINE_bool(
     "measure_compute", False,
     "measure each segment's compute in the step run here (sync, on a "
     "throwaway host pool, on zeros: needs the state in host memory and a "
     "dozen steps' time) instead of timing segments alone",
     flag_values=FLAGS)
-_JSON_OUT = flags.DEFINE_string("json_out", "", "write results as JSON",
-                                flag_values=FLAGS)
+_JSON_OUT = shared_flags.json_out(FLAGS, default="")
 
 
 def _capacity_at(text: str, flag: str) -> tuple[int, float]:
@@ -163,7 +162,7 @@ def config_from_flags() -> Config:
       latency_s=_LATENCY_US.value * 1e-6, max_layers=_MAX_LAYERS.value,
       run_validation=_VALIDATE.value,
       validate_link=parse_bandwidth(_VALIDATE_LINK.value,
-                                    name="--validate_link"),
+                                    name="--link_bandwidth"),
       json_out=_JSON_OUT.value, measure_compute=_MEASURE_COMPUTE.value)
 
 
@@ -333,7 +332,7 @@ def print_plan(title: str, model: Model, planned: dict) -> None:
 
 def validate_here(config: Config) -> dict:
   """Plans a small model for this machine and runs it: predicted vs
-  measured step time (the cxl tier EMULATED behind --validate_link), the
+  measured step time (the cxl tier EMULATED behind --link_bandwidth), the
   compute measured in the step and timed segment by segment."""
   model_config = gpt2.tiny(vocab_size=4096, n_embd=128, n_layer=4, n_ctx=64)
   # Each transfer here also holds the link for the copy engine's round

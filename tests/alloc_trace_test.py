@@ -189,7 +189,7 @@ class ProgramConfigTest:
 
   def _config(self, **changes) -> program.Config:
     config = program.Config(models=("gpt2",), steps=3, dtype="float32",
-                            batch=8, seed=0, donate=True, out=None)
+                            batch=8, seed=0, donate=True, run_dir=None)
     return dataclasses.replace(config, **changes)
 
   def test_unknown_model_is_rejected_with_the_choices(self):
