@@ -23,12 +23,12 @@ from experiments import common as experiments_common
 from experiments import plots
 from experiments.train import checkpointing
 from experiments.train import metrics as metrics_lib
-from experiments.train.metrics import say
 from experiments.train import runners
 from experiments.train.config import CLUSTER
 from experiments.train.config import Config
 from experiments.train.config import config_from_flags
 from experiments.train.config import nbytes
+from experiments.train.metrics import say
 from jcxl.planning import device_need
 from jcxl.units import format_bytes
 from models import common
