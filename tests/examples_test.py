@@ -27,6 +27,12 @@ def run_example(*args: str) -> str:
   return done.stdout
 
 
+def held_out_losses(stdout: str) -> list[float]:
+  """The held-out loss before and after training."""
+  return [float(x) for x in re.findall(r"^held-out loss (\S+) ", stdout,
+                                       re.M)]
+
+
 def losses(stdout: str) -> list[float]:
   return [float(x) for x in re.findall(r"^step +\d+  loss (\S+)$", stdout,
                                        re.M)]
@@ -44,7 +50,10 @@ class TrainFlaxExampleTest:
     got, want = losses(runs["offloaded"]), losses(runs["resident"])
     assert len(got) == 6
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert got[-1] < got[0]  # it learns
+    held_out = [held_out_losses(runs[k]) for k in ("offloaded", "resident")]
+    np.testing.assert_allclose(held_out[0], held_out[1], rtol=1e-5)
+    untrained, trained = held_out[0]
+    assert trained < untrained  # it learns
 
   def test_state_streamed_under_a_budget_smaller_than_the_state(self, runs):
     out = runs["offloaded"]
