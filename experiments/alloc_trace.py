@@ -14,6 +14,7 @@ fragmentation and allocation times side by side.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from absl import app
 from absl import flags
@@ -21,7 +22,7 @@ from absl import logging
 
 from benchmarks import alloc_trace
 from experiments import flags as shared_flags
-
+from experiments import results_file
 
 _MODELS = flags.DEFINE_list(
     "models", list(alloc_trace.MODEL_NAMES),
@@ -83,10 +84,13 @@ def main(argv):
   for trace in config.traces():
     logging.info("replaying %s", trace.model)
     comparisons.append(alloc_trace.compare(trace))
-  print(alloc_trace.format_table(alloc_trace.table_rows(comparisons)))
+  rows = alloc_trace.table_rows(comparisons)
+  print(alloc_trace.format_table(rows))
   if config.run_dir:
     for path in alloc_trace.write_results(comparisons, config.run_dir):
       logging.info("wrote %s", path)
+  results_file.write("alloc_trace", {"config": dataclasses.asdict(config),
+                                     "rows": rows}, sys.argv)
 
 
 if __name__ == "__main__":

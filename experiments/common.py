@@ -17,7 +17,7 @@ import jax
 import optax
 
 from benchmarks import bench
-
+from experiments import results_file
 
 _HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 # Comparing a trained state with a reference computed another way (offloaded
@@ -83,6 +83,8 @@ def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],
     with open(json_out, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=2)
     logging.info("wrote %s", json_out)
+  if jax.process_index() == 0:  # one file per run, not per process
+    results_file.write(results_file.program_name(argv[0]), results, sys.argv)
   return results
 
 

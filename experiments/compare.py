@@ -70,6 +70,7 @@ import jcxl
 from experiments import common as exp_common
 from experiments import flags as shared_flags
 from experiments import max_model
+from experiments import plots as exp_plots
 from jcxl.planning import device_need
 from jcxl.units import format_bytes
 from jcxl.units import parse_bytes
@@ -680,7 +681,7 @@ def run(config: Config) -> dict:
   with open(os.path.join(config.run_dir, "results.md"), "w",
             encoding="utf-8") as f:
     f.write(text)
-  plots(config, title, rows, found, losses)
+  exp_plots.if_available(plots, config, title, rows, found, losses)
   print(text)
   return {"title": title, "rows": rows, "summary": summary,
           "largest": {m: {"params": f["largest"].params if f["largest"]

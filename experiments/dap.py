@@ -64,6 +64,7 @@ from jcxl.units import parse_bandwidth
 from jcxl.units import parse_bytes
 from experiments import common as exp_common
 from experiments import flags as shared_flags
+from experiments import plots as exp_plots
 from models import common
 from models import gpt2
 from models import mlp
@@ -713,7 +714,7 @@ def run(config: Config) -> dict:
   with open(os.path.join(config.run_dir, "results.md"), "w",
             encoding="utf-8") as f:
     f.write(text)
-  _plots(rows, stalls, title, config)
+  exp_plots.if_available(_plots, rows, stalls, title, config)
   print(text)
   return {"rows": rows, "summary": summary, "slowdown": slowdown,
           "title": title}

@@ -4,22 +4,43 @@ Figures are built with ``matplotlib.figure.Figure`` rather than pyplot: no
 global figure state and no display backend, so plotting works on a headless
 machine and inside tests. Every title carries the run's label (the tier the
 state lived in, and whether and how it was emulated).
+
+matplotlib is optional (the `experiments` extra): `if_available` runs a
+program's plots where it is installed and otherwise skips them with a
+warning, after the program has written its results.
 """
 
 from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from absl import logging
 
 _WIDTH = 70  # title characters per line
+_T = TypeVar("_T")
 
 
-def _figure(title: str, label: str) -> tuple[Figure, Any]:
+def if_available(plot: Callable[..., _T], *args: Any, **kwargs: Any
+                 ) -> _T | None:
+  """`plot(*args, **kwargs)`, or None with a warning where matplotlib is
+  not installed: a program never fails after its work for want of its
+  plots."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    logging.warning("plots skipped: %s (install the `experiments` extra: "
+                    "pip install -e '.[experiments]', or pip install "
+                    "matplotlib)", e)
+    return None
+  return plot(*args, **kwargs)
+
+
+def _figure(title: str, label: str) -> tuple[Any, Any]:
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   figure = Figure(figsize=(8, 5), dpi=100, layout="constrained")
   FigureCanvasAgg(figure)
   axes = figure.add_subplot()
@@ -29,7 +50,7 @@ def _figure(title: str, label: str) -> tuple[Figure, Any]:
   return figure, axes
 
 
-def _save(figure: Figure, path: str) -> str:
+def _save(figure: Any, path: str) -> str:
   figure.savefig(path)
   return path
 

@@ -1,6 +1,6 @@
 // XLA FFI handlers that stream pool objects into and out of a jitted step,
 // as pairs that overlap the copy with compute (the pattern XLA's own
-// copy-start / copy-done follows; see DESIGN.md):
+// copy-start / copy-done follows; docs/design.md says why):
 //
 //   jcxl_fetch_start(handle, index, after) -> buffer   queue pool -> buffer
 //   jcxl_fetch_start_into(handle, index, after, buffer) -> buffer (aliased)

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from experiments import common
+from experiments import results_file
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -28,3 +29,14 @@ def experiment():
   yield for_module
   for module, values in reversed(saved):
     flagsaver.restore_flag_values(values, module.FLAGS)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def results_files_in_tmp(tmp_path_factory):
+  """Programs run by the tests write their results files to a temporary
+  directory, not to the checkout's docs/results (session-wide, so that
+  module-scoped fixtures that run programs see it too)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv(results_file.RESULTS_DIR_ENV,
+                 str(tmp_path_factory.mktemp("results")))
+    yield

@@ -127,8 +127,9 @@ def run(config: Config) -> dict[str, Any]:
           f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, "
           f"state shards in {info['label']}", flush=True)
     return summary
-  summary["plots"] = plots.plot_run(
-      config.run_dir, metrics.rows, results["layer_wait_s"], runner.label)
+  summary["plots"] = plots.if_available(
+      plots.plot_run, config.run_dir, metrics.rows, results["layer_wait_s"],
+      runner.label)
   experiments_common.write_json(os.path.join(config.run_dir, "summary.json"),
                                 summary)
   say(metrics_lib.summary_text(summary))
