@@ -196,6 +196,15 @@ uint64_t HybridAllocator::FootprintOf(uint64_t bytes) const {
   return size_class < 0 ? extents_.RoundUp(bytes) : class_sizes_[size_class];
 }
 
+bool HybridAllocator::FitsAfterCompact(uint64_t bytes) const {
+  const int size_class = ClassOf(bytes);
+  if (size_class >= 0 && !partial_spans_[size_class].empty()) return true;
+  const uint64_t needed =
+      size_class < 0 ? extents_.RoundUp(bytes) : options_.span_bytes;
+  if (needed < bytes) return false;  // rounding overflowed
+  return extents_.capacity() - extents_.allocated_bytes() >= needed;
+}
+
 StatusOr<Allocation> HybridAllocator::Allocate(uint64_t bytes) {
   const auto start = std::chrono::steady_clock::now();
   if (bytes == 0) {

@@ -126,6 +126,9 @@ class HybridAllocator {
   const ExtentAllocator& extents() const { return extents_; }
   // Bytes a request takes in the arena (slot or rounded extent).
   uint64_t FootprintOf(uint64_t bytes) const;
+  // Whether Allocate(bytes) would succeed after Compact(): the free bytes,
+  // gathered into one extent, would hold it.
+  bool FitsAfterCompact(uint64_t bytes) const;
   uint64_t capacity() const { return extents_.capacity(); }
 
  private:

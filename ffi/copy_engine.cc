@@ -282,6 +282,8 @@ void CopyEngine::Finish(const std::shared_ptr<Request>& request) {
   if (record.started_ns == 0) record.started_ns = record.finished_ns;
   record.ok = request->status.ok();
   if (request->spec.on_complete) request->spec.on_complete(request->status);
+  // No chunk touches the buffer any more: the caller may be the last owner.
+  request->spec.buffer_owner.reset();
   {
     std::lock_guard<std::mutex> lock(mu_);
     records_.push_back(record);

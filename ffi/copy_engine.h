@@ -7,6 +7,11 @@
 // Lifetime: the Pool owns its CopyEngine; the engine's destructor stops and
 // joins the workers after failing whatever is still queued.
 //
+// Buffers: a request may own the caller's buffer (TransferRequest::
+// buffer_owner); the engine then drops that reference only once no chunk of
+// the request can touch the buffer again, so a caller may let go of its
+// ticket and its buffer at any time, mid-copy included.
+//
 // Faults: a request whose waiter gave up is cancelled (Ticket::Cancel): its
 // chunks not yet run are skipped, so it stops touching the caller's buffer
 // soon after. For tests, InjectFault() makes chosen transfers fail without
@@ -100,6 +105,11 @@ struct TransferRequest {
   uint64_t chunk_bytes = 0;   // 0: the engine's default
   TransferRecord record;      // handle, tier, node filled in by the caller
   std::string label;          // what moves, for messages (may be empty)
+  // Keeps `buffer` alive while the engine may touch it: released (on the
+  // worker that finishes the last chunk, or in Submit or the destructor for
+  // a request that never runs) before waiters wake. Null: the caller keeps
+  // the buffer alive until the ticket is done.
+  std::shared_ptr<void> buffer_owner;
   // Runs on a worker once the last chunk is done, before waiters wake.
   std::function<void(const Status&)> on_complete;
 };

@@ -11,9 +11,11 @@
 
 #include <initializer_list>
 #include <map>
-#include <stdexcept>
 #include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "allocator.h"
 #include "pool.h"
@@ -46,6 +48,43 @@ T Unwrap(StatusOr<T> result) {
   ThrowIfError(result.status());
   return std::move(*result);
 }
+
+// Python buffers lent to the copy engine for the length of a copy. The
+// engine drops its reference on a worker thread, which must not take the
+// GIL (a thread holding it may be joining that worker: Pool.close, or the
+// pool's destructor), so the object is queued here and released by the next
+// call into the extension, which holds the GIL.
+class LentBuffers {
+ public:
+  // The engine's reference to `buffer` (GIL held).
+  static std::shared_ptr<void> Lend(nb::handle buffer) {
+    Py_INCREF(buffer.ptr());
+    return std::shared_ptr<void>(buffer.ptr(), [](void* object) {
+      std::lock_guard<std::mutex> lock(mu());
+      returned().push_back(static_cast<PyObject*>(object));
+    });
+  }
+  // Drops the references of copies done since the last call (GIL held).
+  static void Release() {
+    std::vector<PyObject*> done;
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      done.swap(returned());
+    }
+    for (PyObject* object : done) Py_DECREF(object);
+  }
+
+ private:
+  // Never destroyed: workers may return buffers while the process exits.
+  static std::mutex& mu() {
+    static auto* mu = new std::mutex();
+    return *mu;
+  }
+  static std::vector<PyObject*>& returned() {
+    static auto* returned = new std::vector<PyObject*>();
+    return *returned;
+  }
+};
 
 int64_t SecondsToNs(double seconds) {
   if (!(seconds >= 0)) throw nb::value_error("timeout must be >= 0 seconds");
@@ -269,15 +308,21 @@ NB_MODULE(_jcxl, m) {
       .def(
           "wait",
           [](Ticket& t, double timeout_s) {
+            const int64_t timeout_ns = SecondsToNs(timeout_s);
             Status status;
             {
               nb::gil_scoped_release release;
-              status = t.Wait(SecondsToNs(timeout_s));
+              status = t.Wait(timeout_ns);
             }
+            LentBuffers::Release();
             ThrowIfError(status);
           },
           nb::arg("timeout_s"))
-      .def("done", &Ticket::done)
+      .def("done",
+           [](Ticket& t) {
+             LentBuffers::Release();
+             return t.done();
+           })
       .def("cancel", &Ticket::Cancel)
       .def("record", &Ticket::record);
 
@@ -290,34 +335,59 @@ NB_MODULE(_jcxl, m) {
       .def_prop_ro("closed", &Pool::closed)
       .def("allocate",
            [](Pool& p, int tier, uint64_t bytes, std::vector<int64_t> shape,
-              std::string dtype) {
+              std::string dtype, double timeout_s) {
              if (tier < 0 || tier >= kNumTiers) {
                throw nb::value_error("tier index out of range");
              }
-             return Unwrap(p.Allocate(static_cast<TierKind>(tier), bytes,
-                                      std::move(shape), std::move(dtype)));
-           })
+             const int64_t timeout_ns = SecondsToNs(timeout_s);
+             StatusOr<int32_t> handle(0);
+             {
+               // It may wait for transfers, to compact a fragmented tier.
+               nb::gil_scoped_release release;
+               handle = p.Allocate(static_cast<TierKind>(tier), bytes,
+                                   std::move(shape), std::move(dtype),
+                                   timeout_ns);
+             }
+             return Unwrap(std::move(handle));
+           },
+           nb::arg("tier"), nb::arg("bytes"), nb::arg("shape"),
+           nb::arg("dtype"), nb::arg("timeout_s"))
       .def("free",
            [](Pool& p, int32_t handle, double timeout_s) {
+             const int64_t timeout_ns = SecondsToNs(timeout_s);
              Status status;
              {
                nb::gil_scoped_release release;
-               status = p.Free(handle, SecondsToNs(timeout_s));
+               status = p.Free(handle, timeout_ns);
              }
              ThrowIfError(status);
            })
+      // `owner` holds the memory at `src` / `dst` (a numpy array): the
+      // engine keeps a reference to it until the copy is done.
       .def("write",
            [](Pool& p, int32_t handle, uintptr_t src, uint64_t bytes,
-              uint64_t offset, int priority, uint64_t chunk_bytes) {
+              uint64_t offset, int priority, uint64_t chunk_bytes,
+              nb::handle owner) {
+             LentBuffers::Release();
              return Unwrap(p.Write(handle, reinterpret_cast<const void*>(src),
-                                   bytes, offset, priority, chunk_bytes));
-           })
+                                   bytes, offset, priority, chunk_bytes,
+                                   LentBuffers::Lend(owner)));
+           },
+           nb::arg("handle"), nb::arg("src"), nb::arg("bytes"),
+           nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
+           nb::arg("owner"))
       .def("read",
            [](Pool& p, int32_t handle, uintptr_t dst, uint64_t bytes,
-              uint64_t offset, int priority, uint64_t chunk_bytes) {
+              uint64_t offset, int priority, uint64_t chunk_bytes,
+              nb::handle owner) {
+             LentBuffers::Release();
              return Unwrap(p.Read(handle, reinterpret_cast<void*>(dst), bytes,
-                                  offset, priority, chunk_bytes));
-           })
+                                  offset, priority, chunk_bytes,
+                                  LentBuffers::Lend(owner)));
+           },
+           nb::arg("handle"), nb::arg("dst"), nb::arg("bytes"),
+           nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
+           nb::arg("owner"))
       .def("info",
            [](Pool& p, int32_t handle) { return Unwrap(p.Info(handle)); })
       .def("handles", &Pool::Handles)
@@ -325,10 +395,11 @@ NB_MODULE(_jcxl, m) {
            [](Pool& p, int32_t handle) { return Unwrap(p.PageNodes(handle)); })
       .def("compact",
            [](Pool& p, double timeout_s) {
+             const int64_t timeout_ns = SecondsToNs(timeout_s);
              Status status;
              {
                nb::gil_scoped_release release;
-               status = p.Compact(SecondsToNs(timeout_s));
+               status = p.Compact(timeout_ns);
              }
              ThrowIfError(status);
            })
@@ -355,13 +426,19 @@ NB_MODULE(_jcxl, m) {
       .def("stats", &Pool::Stats)
       .def("drain_records", &Pool::DrainRecords)
       .def("close", [](Pool& p, double timeout_s) {
+        const int64_t timeout_ns = SecondsToNs(timeout_s);
         Status status;
         {
           nb::gil_scoped_release release;
-          status = p.Close(SecondsToNs(timeout_s));
+          status = p.Close(timeout_ns);
         }
+        LentBuffers::Release();  // the engine is gone: every copy is done
         ThrowIfError(status);
       });
+
+  m.def("release_lent_buffers", &LentBuffers::Release,
+        "Drops the copy engine's references to the buffers of copies that "
+        "are done (every pool call does this too).");
 
   nb::class_<ReplayAllocator>(m, "ReplayAllocator")
       .def(nb::init<uint64_t, const std::string&, uint64_t>(),

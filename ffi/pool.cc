@@ -28,8 +28,10 @@ uint32_t IndexOf(int32_t handle) {
 // The handle indices of every pool in the process. An index belongs to one
 // pool at a time, so a handle of one pool is unknown to every other pool
 // (it can never reach another pool's memory). Its generation moves on at
-// every free, and freed indices are reused oldest first: a stale handle is
-// rejected until its index has been reused kMaxGeneration times.
+// every free, and freed indices are reused oldest first. An index whose
+// generations are used up is retired, never reused: a generation that came
+// round again would make a stale handle name a new object. (That takes
+// kMaxGeneration frees of each of the 2^22 indices, about 2 * 10^9.)
 class HandleSpace {
  public:
   static HandleSpace& Get() {
@@ -56,7 +58,8 @@ class HandleSpace {
     std::lock_guard<std::mutex> lock(mu_);
     const uint32_t index = IndexOf(handle);
     uint16_t& generation = generations_[index];
-    generation = generation == kMaxGeneration ? 1 : generation + 1;
+    if (generation == kMaxGeneration) return;  // retired
+    ++generation;
     free_.push_back(index);
   }
 
@@ -65,6 +68,12 @@ class HandleSpace {
   std::vector<uint16_t> generations_;
   std::deque<uint32_t> free_;
 };
+
+// A memory arena whose holes pass this fraction of its reserved bytes is
+// compacted after a free (when no transfer is in flight): churn then never
+// strands more than this. The nvme tier compacts only when an allocation
+// needs it, since its moves are file I/O.
+constexpr double kCompactAboveHoleFraction = 0.02;
 
 std::mutex g_registry_mu;
 std::map<int32_t, std::weak_ptr<Pool>>& Registry() {
@@ -97,7 +106,8 @@ const char* TierName(TierKind kind) {
   return "?";
 }
 
-Pool::Pool(const PoolConfig& config) : config_(config) {}
+Pool::Pool(const PoolConfig& config)
+    : config_(config), owner_pid_(getpid()) {}
 
 StatusOr<std::shared_ptr<Pool>> Pool::Create(const PoolConfig& config) {
   std::shared_ptr<Pool> pool(new Pool(config));
@@ -229,7 +239,9 @@ StatusOr<int32_t> Pool::AllocateIn(int t, uint64_t bytes) {
       tier.arenas[i].allocator->Free(*allocation);
       return Status(Code::kExhausted,
                     "this process's pools hold the most objects they can (" +
-                        std::to_string(kIndexMask + 1) + ")");
+                        std::to_string(kIndexMask + 1) +
+                        " handles, each reused for at most " +
+                        std::to_string(kMaxGeneration) + " objects)");
     }
     Object& object = objects_[IndexOf(handle)];
     object.handle = handle;
@@ -244,8 +256,8 @@ StatusOr<int32_t> Pool::AllocateIn(int t, uint64_t bytes) {
 
 StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
                                  std::vector<int64_t> shape,
-                                 std::string dtype) {
-  std::lock_guard<std::mutex> lock(mu_);
+                                 std::string dtype, int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {
     return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
   }
@@ -264,6 +276,30 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
   for (int t = first; t < kNumTiers; ++t) {
     if (!tiers_[t].enabled) continue;
     StatusOr<int32_t> handle = AllocateIn(t, bytes);
+    std::string compacted;
+    if (handle.status().code() == Code::kExhausted) {
+      // Free bytes scattered in holes: gather them, then try again.
+      bool fits = false;
+      for (const TierArena& arena : tiers_[t].arenas) {
+        fits = fits || arena.allocator->FitsAfterCompact(bytes);
+      }
+      if (!fits) {
+        compacted = " (compacting cannot help: too few bytes are free)";
+      } else {
+        Status status = CompactLocked(lock, timeout_ns, t);
+        if (closed_) {  // while it waited for transfers
+          return Status(Code::kClosed, "pool " + std::to_string(id_) +
+                                           " was closed during the "
+                                           "allocation");
+        }
+        if (status.ok()) {
+          handle = AllocateIn(t, bytes);
+        } else {
+          compacted = " (compacting to make room failed: " +
+                      status.message() + ")";
+        }
+      }
+    }
     if (handle.ok()) {
       Object& object = objects_.at(IndexOf(*handle));
       object.shape = std::move(shape);
@@ -272,7 +308,7 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
     }
     if (handle.status().code() != Code::kExhausted) return handle.status();
     why += std::string(why.empty() ? "" : "; ") + TierName(tiers_[t].kind) +
-           ": " + handle.status().message();
+           ": " + handle.status().message() + compacted;
     if (!config_.spill) break;
   }
   return Status(Code::kExhausted,
@@ -330,9 +366,22 @@ Status Pool::Free(int32_t handle, int64_t timeout_ns) {
   const uint64_t old_top = arena.allocator->extents().top();
   JCXL_RETURN_IF_ERROR(arena.allocator->Free(object->allocation));
   ReleaseTop(arena, old_top);
+  Tier& tier = tiers_[object->tier];
+  const size_t arena_index = static_cast<size_t>(object->arena);
   objects_.erase(IndexOf(handle));
   HandleSpace::Get().Give(handle);
+  CompactIfFragmented(tier, arena_index);
   return Status::Ok();
+}
+
+void Pool::CompactIfFragmented(Tier& tier, size_t a) {
+  if (tier.kind == TierKind::kNvme || total_pins_ > 0 || compacting_) return;
+  const ExtentAllocator& extents = tier.arenas[a].allocator->extents();
+  if (static_cast<double>(extents.hole_bytes()) >
+      kCompactAboveHoleFraction * static_cast<double>(extents.top())) {
+    Status status = CompactArena(tier, a);
+    (void)status;  // a memory arena's moves cannot fail
+  }
 }
 
 StatusOr<Pool::Object*> Pool::LookupRange(std::unique_lock<std::mutex>& lock,
@@ -354,7 +403,8 @@ StatusOr<Pool::Object*> Pool::LookupRange(std::unique_lock<std::mutex>& lock,
 
 StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
     int32_t handle, void* buffer, uint64_t bytes, uint64_t offset,
-    int priority, uint64_t chunk_bytes, Direction direction) {
+    int priority, uint64_t chunk_bytes, Direction direction,
+    std::shared_ptr<void> owner) {
   std::unique_lock<std::mutex> lock(mu_);
   StatusOr<Object*> found = LookupRange(lock, handle, bytes, offset);
   if (!found.ok()) return found.status();
@@ -378,6 +428,7 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
   request.record.tier = object->tier;
   request.record.node = arena.node;
   request.label = Label(handle, *object);
+  request.buffer_owner = std::move(owner);
   const uint32_t index = IndexOf(handle);
   const int tier_index = object->tier;
   request.on_complete = [this, index, tier_index, direction,
@@ -413,15 +464,18 @@ StatusOr<DirectRange> Pool::BeginDirect(int32_t handle, uint64_t bytes,
   range.direction = direction;
   ++object->pins;
   ++total_pins_;
+  ++direct_pins_;
   return range;
 }
 
 void Pool::EndDirect(const DirectRange& range) {
   int tier = 0;
+  std::vector<TierArena> unmap;  // outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = objects_.find(IndexOf(range.handle));
     tier = it == objects_.end() ? 0 : it->second.tier;
+    if (--direct_pins_ == 0) unmap.swap(retired_arenas_);
   }
   Unpin(IndexOf(range.handle), tier, range.direction, range.bytes);
 }
@@ -463,17 +517,19 @@ void Pool::Unpin(uint32_t index, int tier, Direction direction,
 StatusOr<std::shared_ptr<Ticket>> Pool::Write(int32_t handle, const void* src,
                                               uint64_t bytes, uint64_t offset,
                                               int priority,
-                                              uint64_t chunk_bytes) {
+                                              uint64_t chunk_bytes,
+                                              std::shared_ptr<void> owner) {
   return Transfer(handle, const_cast<void*>(src), bytes, offset, priority,
-                  chunk_bytes, Direction::kToPool);
+                  chunk_bytes, Direction::kToPool, std::move(owner));
 }
 
 StatusOr<std::shared_ptr<Ticket>> Pool::Read(int32_t handle, void* dst,
                                              uint64_t bytes, uint64_t offset,
                                              int priority,
-                                             uint64_t chunk_bytes) {
+                                             uint64_t chunk_bytes,
+                                             std::shared_ptr<void> owner) {
   return Transfer(handle, dst, bytes, offset, priority, chunk_bytes,
-                  Direction::kFromPool);
+                  Direction::kFromPool, std::move(owner));
 }
 
 std::string Pool::Label(int32_t handle, const Object& object) {
@@ -536,38 +592,49 @@ Status Pool::Compact(int64_t timeout_ns) {
   if (closed_) {
     return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
   }
-  compacting_ = true;
-  Status waited = WaitUnpinned(lock, timeout_ns, -1);
-  Status result = waited;
-  if (waited.ok()) {
-    for (Tier& tier : tiers_) {
-      for (size_t a = 0; a < tier.arenas.size(); ++a) {
-        TierArena& arena = tier.arenas[a];
-        const uint64_t old_top = arena.allocator->extents().top();
-        std::vector<Move> moves = arena.allocator->Compact();
-        if (moves.empty()) continue;
-        std::map<uint64_t, uint64_t> remap;
-        for (const Move& move : moves) {
-          Status moved = arena.arena->Move(move.from, move.to, move.bytes);
-          if (!moved.ok() && result.ok()) result = moved;
-          remap.emplace(move.from, move.to);
-        }
-        for (auto& [index, object] : objects_) {
-          if (object.allocation.is_slab() ||
-              object.tier != static_cast<int>(tier.kind) ||
-              object.arena != static_cast<int>(a)) {
-            continue;
-          }
-          auto it = remap.find(object.allocation.extent_offset);
-          if (it != remap.end()) object.allocation.extent_offset = it->second;
-        }
-        ReleaseTop(arena, old_top);
+  return CompactLocked(lock, timeout_ns, -1);
+}
+
+Status Pool::CompactLocked(std::unique_lock<std::mutex>& lock,
+                           int64_t timeout_ns, int only_tier) {
+  compacting_ = true;  // new transfers wait (LookupRange)
+  Status result = WaitUnpinned(lock, timeout_ns, -1);
+  if (result.ok()) {
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (only_tier >= 0 && t != only_tier) continue;
+      for (size_t a = 0; a < tiers_[t].arenas.size(); ++a) {
+        Status moved = CompactArena(tiers_[t], a);
+        if (!moved.ok() && result.ok()) result = moved;
       }
     }
   }
   compacting_ = false;
-  lock.unlock();
   unpinned_cv_.notify_all();
+  return result;
+}
+
+Status Pool::CompactArena(Tier& tier, size_t a) {
+  TierArena& arena = tier.arenas[a];
+  const uint64_t old_top = arena.allocator->extents().top();
+  std::vector<Move> moves = arena.allocator->Compact();
+  if (moves.empty()) return Status::Ok();
+  Status result;
+  std::map<uint64_t, uint64_t> remap;
+  for (const Move& move : moves) {
+    Status moved = arena.arena->Move(move.from, move.to, move.bytes);
+    if (!moved.ok() && result.ok()) result = moved;
+    remap.emplace(move.from, move.to);
+  }
+  for (auto& [index, object] : objects_) {
+    if (object.allocation.is_slab() ||
+        object.tier != static_cast<int>(tier.kind) ||
+        object.arena != static_cast<int>(a)) {
+      continue;
+    }
+    auto it = remap.find(object.allocation.extent_offset);
+    if (it != remap.end()) object.allocation.extent_offset = it->second;
+  }
+  ReleaseTop(arena, old_top);
   return result;
 }
 
@@ -641,6 +708,16 @@ Status Pool::Close(int64_t timeout_ns) {
                   "pool " + std::to_string(id_) + " is already closed");
   }
   closed_ = true;  // from here every new request fails
+  if (getpid() != owner_pid_) {
+    // A forked child's copy (see owner_pid_): leaked on purpose.
+    (void)engine_.release();
+    for (Tier& tier : tiers_) {
+      for (TierArena& arena : tier.arenas) (void)arena.arena.release();
+      tier.arenas.clear();
+    }
+    on_close_.clear();
+    return Status::Ok();
+  }
   // Let transfers already queued finish; past the timeout they are failed.
   Status waited = WaitUnpinned(lock, timeout_ns, -1);
   // Taken under the lock (DrainRecords and Transfer read engine_), destroyed
@@ -652,7 +729,16 @@ Status Pool::Close(int64_t timeout_ns) {
   on_close.swap(on_close_);
   for (auto& fn : on_close) fn();  // e.g. unregister arenas from a GPU
   lock.lock();
-  for (Tier& tier : tiers_) tier.arenas.clear();  // unmap, remove files
+  for (Tier& tier : tiers_) {
+    for (TierArena& arena : tier.arenas) {
+      // A direct copy still under way past the timeout: its memory stays
+      // mapped until it ends (EndDirect), never reused while it copies.
+      if (direct_pins_ > 0 && arena.arena->base() != nullptr) {
+        retired_arenas_.push_back(std::move(arena));
+      }
+    }
+    tier.arenas.clear();  // unmap, remove files
+  }
   if (!config_.nvme_dir.empty() && !config_.keep_nvme_files) {
     rmdir(config_.nvme_dir.c_str());
   }

@@ -12,6 +12,8 @@
 #ifndef JCXL_FFI_POOL_H_
 #define JCXL_FFI_POOL_H_
 
+#include <sys/types.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -106,19 +108,26 @@ class Pool {
 
   int32_t id() const { return id_; }
 
-  // Reserves an object; `shape` and `dtype` are recorded for checks.
+  // Reserves an object; `shape` and `dtype` are recorded for checks. A tier
+  // too fragmented to hold it, though its free bytes would, is compacted
+  // first (waiting up to `timeout_ns` for the transfers in flight).
   StatusOr<int32_t> Allocate(TierKind tier, uint64_t bytes,
-                             std::vector<int64_t> shape, std::string dtype);
+                             std::vector<int64_t> shape, std::string dtype,
+                             int64_t timeout_ns = kMaxTimeoutNs);
   // Frees an object once its transfers in flight are done.
   Status Free(int32_t handle, int64_t timeout_ns);
   // Starts a copy of `bytes` from `src` into the object at byte `offset`.
+  // `owner`, if given, keeps `src` alive until the copy is done (see
+  // TransferRequest::buffer_owner): the caller may then drop the ticket.
   StatusOr<std::shared_ptr<Ticket>> Write(int32_t handle, const void* src,
                                           uint64_t bytes, uint64_t offset,
-                                          int priority, uint64_t chunk_bytes);
+                                          int priority, uint64_t chunk_bytes,
+                                          std::shared_ptr<void> owner = {});
   // Starts a copy of the object's bytes [offset, offset + bytes) to `dst`.
   StatusOr<std::shared_ptr<Ticket>> Read(int32_t handle, void* dst,
                                          uint64_t bytes, uint64_t offset,
-                                         int priority, uint64_t chunk_bytes);
+                                         int priority, uint64_t chunk_bytes,
+                                         std::shared_ptr<void> owner = {});
   // The address of bytes [offset, offset + bytes) of an object, for a copy
   // made by another engine (cudaMemcpyAsync). The object stays pinned, as
   // during a transfer (Free and Compact wait), until EndDirect, which also
@@ -190,21 +199,41 @@ class Pool {
   StatusOr<std::shared_ptr<Ticket>> Transfer(int32_t handle, void* buffer,
                                              uint64_t bytes, uint64_t offset,
                                              int priority, uint64_t chunk_bytes,
-                                             Direction direction);
+                                             Direction direction,
+                                             std::shared_ptr<void> owner);
   void Unpin(uint32_t index, int tier, Direction direction, uint64_t bytes);
   // Waits for the transfers of object `index` (all objects if negative).
   Status WaitUnpinned(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
                       int64_t index);
   void ReleaseTop(TierArena& arena, uint64_t old_top);
+  // Compacts tier `only_tier` (every tier if negative) once no transfer is
+  // in flight, waiting up to `timeout_ns`; `lock` holds mu_.
+  Status CompactLocked(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
+                       int only_tier);
+  // Slides arena `a` of `tier`'s objects down over its holes; caller holds
+  // mu_ and no transfer is in flight.
+  Status CompactArena(Tier& tier, size_t a);
+  // After a free: compacts a memory arena whose holes passed
+  // kCompactAboveHoleFraction of its reserved bytes, if no transfer is in
+  // flight (it never waits); caller holds mu_.
+  void CompactIfFragmented(Tier& tier, size_t a);
   ObjectInfo InfoOf(int32_t handle, const Object& object);
 
   PoolConfig config_;
   int32_t id_ = 0;
+  // The process that made the pool. In a child it forked, the pool's copy
+  // shares the parent's nvme file and lacks the copy engine's threads:
+  // Close there forgets the pool without joining, waiting or unlinking.
+  pid_t owner_pid_;
   std::mutex mu_;
   std::condition_variable unpinned_cv_;
   bool closed_ = false;
   bool compacting_ = false;
   int total_pins_ = 0;
+  int direct_pins_ = 0;  // BeginDirect ranges not yet ended
+  // Memory arenas Close could not unmap: a DMA engine outside the pool may
+  // still copy into a BeginDirect range. Unmapped at the last EndDirect.
+  std::vector<TierArena> retired_arenas_;
   Tier tiers_[kNumTiers];
   // Live objects by handle index (node-based: an Object never moves).
   std::unordered_map<uint32_t, Object> objects_;

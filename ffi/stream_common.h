@@ -18,6 +18,14 @@ namespace jcxl {
 namespace ffi = xla::ffi;
 
 ffi::Error Fail(const char* handler, const std::string& message);
+
+// A step's deadline attribute in ns: saturated at kMaxTimeoutNs (a pool's
+// timeout_s of 10^10 s would overflow int64 ns), negative as 0.
+inline int64_t TimeoutNs(int64_t timeout_ms) {
+  if (timeout_ms <= 0) return 0;
+  return timeout_ms > kMaxTimeoutNs / 1'000'000 ? kMaxTimeoutNs
+                                                : timeout_ms * 1'000'000;
+}
 // The XLA error code follows the pool's: the step's exception starts with
 // its name (DEADLINE_EXCEEDED for a timeout, DATA_LOSS for a failed read or
 // write, FAILED_PRECONDITION for a closed pool).

@@ -118,7 +118,7 @@ ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
     return NoTransferInFlight(handler);
   }
   const int64_t started = NowNs();
-  Status status = ticket->Wait(timeout_ms * 1000000);
+  Status status = ticket->Wait(TimeoutNs(timeout_ms));
   LogWait(ticket, started, NowNs());
   if (!status.ok()) {
     if (!ticket->done()) {

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import threading
+
 import jax
 import jax.numpy as jnp
 import jcxl
@@ -218,9 +222,8 @@ class ScheduleStringTest:
                       schedule_lib.DapSchedule)
 
 
-def mlp():
+def mlp(dims=(16, 64, 16, 64, 16)):
   rng = np.random.default_rng(0)
-  dims = [16, 64, 16, 64, 16]
   params = {f"l{i}": {"w": (rng.normal(size=(dims[i], dims[i + 1])) *
                             0.2).astype(np.float32)}
             for i in range(len(dims) - 1)}
@@ -298,13 +301,15 @@ class DapStepTest:
     p = jcxl.place(params, "cxl", pool=pool)
     s = jcxl.place(tx.init(params), "cxl", pool=pool)
     step = jcxl.cxl_offload(make_step(loss_fn, tx), schedule="dap")
-    step.tuner.options = tuner_lib.TunerOptions(check_every=2,
-                                                confirm_every=2)
-    for _ in range(150):  # warm up, measure, re-plan, measure, race
+    options = tuner_lib.TunerOptions(check_every=2, confirm_every=2)
+    step.tuner.options = options
+    # Warm up, measure, re-plan, race: settled by construction within
+    # `max_tuning_steps` steps that tune, however slow the machine (steps
+    # that wait for the compiling thread run the plan that ran last, for
+    # `max_compile_s` of compiling at most).
+    while not step.tuner.converged:
       p, s, _ = step(p, s, x)
-      if step.tuner.converged:
-        break
-    assert step.tuner.converged
+      assert step.tuner.tuning_steps <= options.max_tuning_steps
     # The plan shown is the one settled on (not the race's last one),
     # with what the tuner predicts for it and why it was kept, as learned
     # after it compiled.
@@ -314,9 +319,13 @@ class DapStepTest:
     assert step.plan.reasons == step.tuner.reasons
     fast = step.tuner.links["cxl"].bandwidth
     seen = len(step.tuner.history)
-    pool.set_link("cxl", jcxl.LinkModel("10MB/s", 5e-6))
-    for _ in range(8):  # a check, 2 spaced ones confirming it
+    # 2000x slower: each 4 KiB fetch takes 4 ms where the whole step took
+    # a few, a slowdown no machine's noise looks like.
+    pool.set_link("cxl", jcxl.LinkModel("1MB/s", 5e-6))
+    for _ in range(64):  # a check, 2 spaced ones confirming it
       p, s, _ = step(p, s, x)
+      if any(e.what == "drift" for e in step.tuner.history[seen:]):
+        break
     assert any(e.what == "drift" for e in step.tuner.history[seen:])
     assert step.tuner.links["cxl"].bandwidth < 0.5 * fast
 
@@ -354,6 +363,73 @@ class DapStepTest:
     assert all(k == 0 for _, k in step.tuner.schedule.prefetch)
 
 
+  def test_candidates_compile_on_a_thread_of_their_own(self, pool):
+    # While the race's plans compile, the step trains on with the plan
+    # that ran last: the same results, and the compiles on another thread.
+    params, loss_fn = mlp()
+    tx = optax.adamw(1e-2)
+    x = jnp.ones((8, 16))
+    step_fn = make_step(loss_fn, tx)
+    step = jcxl.cxl_offload(step_fn, schedule="dap")
+    threads, compile_plan = [], step._ahead._compile_plan
+    step._ahead._compile_plan = lambda *a: (
+        threads.append(threading.current_thread().name) or compile_plan(*a))
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    ref_p, ref_s = params, tx.init(params)
+    resident = jax.jit(step_fn)
+    while not step.tuner.converged:
+      p, s, loss = step(p, s, x)
+      ref_p, ref_s, ref_loss = resident(ref_p, ref_s, x)
+      np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+      assert step.tuner.tuning_steps <= step.tuner.options.max_tuning_steps
+    for a, b in zip(jax.tree.leaves(jcxl.gather(p)), jax.tree.leaves(ref_p)):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert threads and all(t.startswith("jcxl-dap-compile") for t in threads)
+    cost = step.tuner.costs[0]
+    # The race began on a step whose plans were not compiled yet: that
+    # step, at least, ran the plan before.
+    assert cost.waited_steps >= 1
+    assert cost.compiles == step.compiles >= 1 + len(threads) - len(
+        [e for e in step.tuner.history if e.what == "compile limit"])
+    assert cost.compile_s > 0 and cost.steps > cost.waited_steps
+
+  def test_a_plan_made_for_another_model_is_refused(self, pool, tmp_path):
+    tx = optax.sgd(1e-2)
+    x = jnp.ones((8, 16))
+
+    def run(dims, schedule):
+      params, loss_fn = mlp(dims)
+      step = jcxl.cxl_offload(make_step(loss_fn, tx), schedule=schedule)
+      step(jcxl.place(params, "cxl", pool=pool),
+           jcxl.place(tx.init(params), "cxl", pool=pool), x)
+      return step
+    path = str(tmp_path / "four.json")
+    four = run((16, 64, 16, 64, 16), "fixed:1")
+    four.plan.save(path)
+    assert schedule_lib.Plan.load(path).made_for == four.plan.made_for
+    assert four.plan.made_for.layer_names == ("['l0']", "['l1']", "['l2']",
+                                               "['l3']")
+    for schedule in (f"dap:{path}", f"plan:{path}"):
+      with pytest.raises(ValueError, match=(
+          r"four.json' was made for a step with 4 layers, 4 pool-resident "
+          r"leaves .* this step has 6 layers, 6 .*layers the plan lacks: "
+          r"\[\"\['l4'\]\", \"\['l5'\]\"\]")):
+        run((16, 64, 16, 64, 16, 64, 16), schedule)
+      # The same layers, one of another shape.
+      with pytest.raises(ValueError, match="the same layers, with leaves of "
+                         "other paths, shapes or dtypes"):
+        run((16, 64, 16, 32, 16), schedule)
+    # The step it was made for takes it.
+    again = run((16, 64, 16, 64, 16), f"plan:{path}")
+    assert [l.prefetch for l in again.plan.layers] == [1] * 4
+    # A plan saved without what it was made for is taken as it is.
+    data = json.loads(open(path).read())
+    del data["made_for"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    run((16, 64, 16, 64, 16, 64, 16), f"plan:{tmp_path / 'old.json'}")
+
+
 def race(tuner, step_time):
   """Feeds the tuner's race step times (`step_time(schedule)`, or a dict)
   until it settles, measuring the steps it asks for; returns the schedules
@@ -383,6 +459,16 @@ def settled_tuner(profile, confirm_every=1, **options):
   tuner.resolve(segments, LINK)
   while not tuner.converged:
     tuner.step_done(profile)
+  return tuner
+
+
+def four_layers(budget=None, **options):
+  """A tuner on four layers (1 MiB, 50 ms of compute each) that starts
+  from every layer 1 ahead; `options` are TunerOptions'."""
+  segments = [seg(n, MiB, 0.05) for n in "abcd"]
+  start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1), name="dap")
+  tuner = tuner_lib.Tuner(start, budget, tuner_lib.TunerOptions(**options))
+  tuner.resolve(segments, LINK)
   return tuner
 
 
@@ -562,14 +648,9 @@ class TunerTest:
         pytest.approx(0.13, abs=0.002))
 
   def test_close_candidates_race_on_and_the_others_leave(self):
-    segments = [seg(n, MiB, 0.05) for n in "abcd"]
-    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abcd", 1),
-                                          name="dap")
-    options = tuner_lib.TunerOptions(
-        warmup_steps=0, measure_steps=1, explore=(1, 2, 3), race_rounds=3,
-        race_max_rounds=8, race_block=1)
-    tuner = tuner_lib.Tuner(start, None, options)
-    tuner.resolve(segments, LINK)
+    tuner = four_layers(warmup_steps=0, measure_steps=1, explore=(1, 2, 3),
+                        race_rounds=3, race_max_rounds=8, race_block=1)
+    options = tuner.options
     assert tuner.step_done(profile_of(0.30))
     distance = lambda s: max(dict(s.prefetch).values())
     # 3 ahead is truly faster (0.27) than 2 ahead (0.28) but is unlucky in
@@ -831,3 +912,87 @@ class TunerTest:
     assert all(costmodel.peak_prefetch_bytes(segments, p) <= 10 * MiB
                for p in seen)
     assert {max(p.values()) for p in seen} <= {0, 1}
+
+
+class TuningBoundTest:
+
+  def test_the_tuning_step_limit_keeps_the_fastest_plan_measured(self):
+    # Three plans no sign test tells apart (race_alpha 0) and rounds
+    # without end: the limit settles it, on the fastest median so far.
+    tuner = four_layers(warmup_steps=0, measure_steps=1, explore=(1, 2, 3),
+                        race_alpha=0, race_max_rounds=10_000,
+                        max_tuning_steps=30)
+    distance = lambda s: max(dict(s.prefetch).values())
+    ran = race(tuner, lambda s: {1: 0.30, 2: 0.27, 3: 0.28}[distance(s)])
+    assert len(ran) == 30 and tuner.converged
+    assert distance(tuner.schedule) == 2
+    assert tuner.costs == [tuner_lib.TuningCost(30, 0, 0, 0.0,
+                                                "tuning steps")]
+    assert tuner.history[-1].what == "settled"
+    assert "tuning step limit (30)" in tuner.history[-1].detail
+    assert tuner.prediction.step_s == pytest.approx(0.27)
+
+  def test_the_limit_counts_again_from_a_drift(self):
+    tuner = settled_tuner(profile_of(0.1))
+    tuner.options = dataclasses.replace(tuner.options, max_tuning_steps=5)
+    first = len(tuner.costs)
+    for _ in range(40):  # slower for good: re-planned, settled again
+      tuner.step_done(profile_of(0.2) if tuner.wants_measurement() else None)
+    assert tuner.converged and len(tuner.costs) > first
+    assert all(c.steps <= 5 for c in tuner.costs[first:])
+
+  def test_plans_not_compiled_in_time_leave_the_race(self):
+    tuner = four_layers(warmup_steps=0, measure_steps=1, explore=(0, 2, 3),
+                        max_compile_s=10)
+    tuner.add_compile(20.0)  # the first call's: not held against the limit
+    assert tuner.step_done(profile_of(0.3))  # the race
+    distance = lambda s: max(dict(s.prefetch).values())
+    assert sorted(map(distance, tuner.upcoming())) == [0, 1, 2, 3]
+    by_distance = {distance(s): s for s in tuner.upcoming()}
+    assert tuner.compiled(by_distance[0], 1 << 20, 3.0)
+    tuner.waited([by_distance[2], by_distance[3]], compiling_s=4.0)
+    assert tuner.history[-1].what == "race"  # 7 s: within the limit
+    tuner.waited([by_distance[2], by_distance[3]], compiling_s=7.0)
+    assert tuner.history[-1].what == "compile limit"
+    assert sorted(map(distance, tuner.upcoming())) == [0, 1]
+    ran = race(tuner, lambda s: 0.25 if distance(s) == 0 else 0.3)
+    assert {distance(s) for s in ran} == {0, 1}
+    assert distance(tuner.schedule) == 0 and tuner.converged
+    cost = tuner.costs[0]
+    assert (cost.waited_steps, cost.compiles, cost.compile_s,
+            cost.limited) == (2, 2, 23.0, "compile")
+    assert cost.steps == 1 + 2 + len(ran)
+
+  def test_a_replan_not_compiled_in_time_keeps_the_plan_that_ran(self):
+    segments = [seg("a", MiB, 0.05), seg("b", 40 * MiB, 0.001)]
+    start = schedule_lib.LayerSchedule.of({"a": 0, "b": 0}, name="sync")
+    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=1, explore=(), max_compile_s=1))
+    tuner.resolve(segments, LINK)
+    assert tuner.step_done(profile_of(0.093))  # the model's deeper plan
+    deeper = tuner.schedule
+    assert tuner.upcoming() == [deeper] and deeper != start
+    tuner.waited([deeper], compiling_s=1.5)
+    assert tuner.schedule == start and tuner.upcoming() == [start]
+    while not tuner.converged:
+      tuner.step_done(profile_of(0.09))
+    assert tuner.schedule == start
+
+  def test_a_candidate_compiled_over_the_budget_never_runs(self):
+    tuner = four_layers(100 * MiB, warmup_steps=0, measure_steps=1,
+                        explore=(2,))
+    start = tuner.schedule
+    tuner.calibrate(90 * MiB)
+    assert tuner.step_done(profile_of(0.3))
+    deeper = next(s for s in tuner.upcoming() if s != start)
+    assert not tuner.compiled(deeper, 120 * MiB, 0.5)
+    assert tuner.upcoming() == [start]
+    ran = race(tuner, lambda s: 0.3)
+    assert set(ran) == {start} and tuner.converged
+
+  @pytest.mark.parametrize("bad", [
+      dict(max_tuning_steps=0), dict(max_tuning_steps=2.5),
+      dict(max_compile_s=-1), dict(max_compile_s=float("nan"))])
+  def test_bad_limits_are_named(self, bad):
+    with pytest.raises(ValueError, match=f"TunerOptions.{next(iter(bad))}"):
+      tuner_lib.TunerOptions(**bad)

@@ -333,7 +333,8 @@ class BadInputTest:
     pool = jcxl.Pool(host="8MiB", cxl="8MiB", nvme="8MiB", nvme_dir=tmp_path)
     handle = pool.put(np.ones(3), "nvme")
     private = pool.nvme_dir
-    assert os.listdir(private) == ["tier.swap"]
+    # The swap file, and the lock that says the pool's process is alive.
+    assert sorted(os.listdir(private)) == [".owner.lock", "tier.swap"]
     assert oct(os.stat(private).st_mode & 0o777) == oct(0o700)
     assert oct(os.stat(os.path.join(private, "tier.swap")).st_mode & 0o777
                ) == oct(0o600)

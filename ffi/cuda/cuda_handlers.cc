@@ -492,7 +492,7 @@ ffi::Error FetchStartImpl(cudaStream_t stream, int32_t ordinal,
                 Slice{pool_id, *handle, stacked, block_rows}, static_index,
                 index.untyped_data(), ShapeOf(*out), out->untyped_data(),
                 Direction::kFromPool, priority,
-                static_cast<uint64_t>(chunk_bytes), timeout_ms * 1'000'000});
+                static_cast<uint64_t>(chunk_bytes), TimeoutNs(timeout_ms)});
 }
 
 ffi::Error FetchStartIntoImpl(cudaStream_t stream, int32_t ordinal,
@@ -537,7 +537,7 @@ ffi::Error StoreStartImpl(cudaStream_t stream, int32_t ordinal,
                 Slice{pool_id, *handle, stacked, block_rows}, static_index,
                 index.untyped_data(), ShapeOf(*out), out->untyped_data(),
                 Direction::kToPool, priority,
-                static_cast<uint64_t>(chunk_bytes), timeout_ms * 1'000'000});
+                static_cast<uint64_t>(chunk_bytes), TimeoutNs(timeout_ms)});
 }
 
 ffi::Error StoreDoneImpl(cudaStream_t stream, int32_t ordinal,

@@ -561,6 +561,97 @@ TEST(CancellingCutsAnEmulatedLinkWaitShort) {
   CHECK_LT(NowNs() - start, 500 * kMs);
 }
 
+// A buffer lent to the engine, whose deleter says when the engine let it go
+// (a mutex, so that the test's later reads happen after the engine's).
+class LentBuffer {
+ public:
+  explicit LentBuffer(std::vector<char> bytes)
+      : bytes_(new std::vector<char>(std::move(bytes))) {}
+  char* data() { return bytes_->data(); }
+  // The engine's reference; the test then drops its own.
+  std::shared_ptr<void> Lend() {
+    return std::shared_ptr<void>(bytes_, [this](void* bytes) {
+      delete static_cast<std::vector<char>*>(bytes);
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = true;
+      cv_.notify_all();
+    });
+  }
+  bool released() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_;
+  }
+  // Waits (bounded) until the engine has let the buffer go.
+  bool AwaitReleased() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::nanoseconds(kLongWaitNs),
+                        [this] { return released_; });
+  }
+
+ private:
+  std::vector<char>* bytes_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+};
+
+// The caller drops its ticket (and holds no reference to the buffer) while
+// a chunk is under way and more are queued: the engine's reference keeps
+// the buffer alive until the last chunk is done (ASan reports a use after
+// free if it does not), then lets it go.
+TEST(AbandonedTransferKeepsItsBufferUntilTheEngineIsDone) {
+  TestArena arena(4 * kMiB);
+  CopyEngine engine(2, 64 * kKiB, {});
+  for (Direction direction : {Direction::kFromPool, Direction::kToPool}) {
+    const std::vector<char> stored = Pattern(kMiB, 11);
+    std::memcpy(arena.data(), stored.data(), stored.size());
+    const std::vector<char> sent = Pattern(kMiB, 12);
+    LentBuffer buffer(sent);
+    TransferRequest request =
+        Request(&arena, 0, buffer.data(), kMiB, direction);
+    request.buffer_owner = buffer.Lend();
+    const int entered = arena.entered();
+    arena.Close();  // every chunk waits at the gate: the copy is mid-way
+    std::shared_ptr<Ticket> ticket = engine.Submit(std::move(request));
+    arena.AwaitEntered(entered + 1);
+    ticket.reset();
+    CHECK(!buffer.released());  // the engine still holds it
+    arena.Open();
+    CHECK(buffer.AwaitReleased());
+    if (direction == Direction::kToPool) {  // the whole copy arrived
+      CHECK(std::memcmp(arena.data(), sent.data(), kMiB) == 0);
+    }
+  }
+}
+
+// The same, with the engine destroyed mid-copy: its destructor fails the
+// queued chunks, joins the worker on the running one, and by the time it
+// returns every abandoned buffer has been let go.
+TEST(DestroyingTheEngineReleasesAbandonedBuffers) {
+  TestArena arena(4 * kMiB);
+  auto engine = std::make_unique<CopyEngine>(1, 64 * kKiB, std::vector<int>{});
+  std::vector<std::weak_ptr<std::vector<char>>> watches;
+  arena.Close();
+  for (int i = 0; i < 3; ++i) {
+    auto buffer = std::make_shared<std::vector<char>>(256 * kKiB);
+    watches.push_back(buffer);
+    TransferRequest request =
+        Request(&arena, i * kMiB, buffer->data(), buffer->size(),
+                i % 2 ? Direction::kToPool : Direction::kFromPool);
+    request.buffer_owner = std::move(buffer);
+    engine->Submit(std::move(request));  // ticket dropped at once
+  }
+  arena.AwaitEntered(1);
+  for (const auto& watch : watches) CHECK(!watch.expired());
+  std::thread opener([&arena] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    arena.Open();
+  });
+  engine.reset();
+  opener.join();
+  for (const auto& watch : watches) CHECK(watch.expired());
+}
+
 TEST(DestroyingAnIdleEngineReturns) {
   for (int threads : {1, 4}) {
     auto start = NowNs();

@@ -241,14 +241,19 @@ TEST(StaleHandleAfterSlotReuseIsRejected) {
   CHECK_OK(WriteNow(*pool, second, data));
   CHECK_OK(pool->Info(second));
   CHECK(pool->Handles() == std::vector<int32_t>{second});
-  // Generations wrap around (9 bits) without ever giving a handle <= 0, and
-  // each reuse rejects the handle before it.
+  // Past its last generation (9 bits) a slot is retired, never wrapped
+  // round: no handle is ever given out twice, none is <= 0, and every stale
+  // one stays rejected.
+  std::vector<int32_t> seen = {first, second};
   int32_t handle = second;
   for (int i = 0; i < 1100; ++i) {
     CHECK_OK(pool->Free(handle, kLongWaitNs));
     const int32_t next = Alloc(*pool, TierKind::kHost, 64);
-    CHECK(next != handle);
+    CHECK_GT(next, 0);
+    CHECK(std::find(seen.begin(), seen.end(), next) == seen.end());
     CHECK_CODE(pool->Info(handle), Code::kNotFound);
+    CHECK_CODE(pool->Info(first), Code::kNotFound);
+    seen.push_back(next);
     handle = next;
   }
   CHECK_OK(pool->Info(handle));
@@ -348,6 +353,34 @@ TEST(SpillGoesHostThenCxlThenNvme) {
     CHECK_OK(back);
     CHECK(*back == Pattern(768 * kKiB, i));
   }
+}
+
+// No extent is large enough, but the free bytes are: Allocate compacts the
+// tier and succeeds, the other objects keep their bytes; past the free
+// bytes it says that compacting cannot help.
+TEST(FragmentedTierCompactsBeforeRefusing) {
+  TempDir dir;
+  CHECK(dir.ok());
+  auto pool = NewPool(ThreeTiers(dir.path(), 8 * kMiB, 8 * kMiB, 8 * kMiB));
+  std::vector<int32_t> handles;
+  for (int i = 0; i < 32; ++i) {
+    handles.push_back(Alloc(*pool, TierKind::kNvme, 256 * kKiB));
+    CHECK_OK(WriteNow(*pool, handles.back(), Pattern(256 * kKiB, i)));
+  }
+  for (int i = 0; i < 32; i += 2) CHECK_OK(pool->Free(handles[i], kLongWaitNs));
+  StatusOr<int32_t> big =
+      pool->Allocate(TierKind::kNvme, 4 * kMiB, {}, "", kLongWaitNs);
+  CHECK_OK(big);
+  for (int i = 1; i < 32; i += 2) {
+    StatusOr<std::vector<char>> back = ReadNow(*pool, handles[i], 256 * kKiB);
+    CHECK_OK(back);
+    CHECK(*back == Pattern(256 * kKiB, i));
+  }
+  StatusOr<int32_t> none =
+      pool->Allocate(TierKind::kNvme, 512 * kKiB, {}, "", kLongWaitNs);
+  CHECK_CODE(none, Code::kExhausted);
+  CHECK(none.status().message().find("compacting cannot help") !=
+        std::string::npos);
 }
 
 TEST(CompactKeepsDataAndHandles) {
@@ -499,6 +532,33 @@ TEST(CloseTwiceAndRequestsAfterCloseAreClosed) {
   CHECK(pool->Handles().empty());
   CHECK(pool->DrainRecords().empty());
   pool->Stats();  // still answers, with no arenas
+}
+
+// A transfer abandoned mid-copy (its ticket and buffer dropped) while the
+// pool closes: Close fails it once its timeout passes, and the buffer the
+// engine held is let go by the time Close returns, never before the copy
+// stopped touching it.
+TEST(CloseReleasesTheBuffersOfAbandonedTransfers) {
+  TempDir dir;
+  CHECK(dir.ok());
+  auto pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t handle = Alloc(*pool, TierKind::kCxl, 2 * kMiB);
+  CHECK_OK(WriteNow(*pool, handle, Pattern(2 * kMiB, 3)));
+  FaultSpec stall;
+  stall.kind = FaultSpec::Kind::kStall;
+  stall.direction = static_cast<int>(Direction::kFromPool);
+  CHECK_OK(pool->InjectFault(stall));
+  auto buffer = std::make_shared<std::vector<char>>(2 * kMiB);
+  std::weak_ptr<std::vector<char>> watch = buffer;
+  {
+    StatusOr<std::shared_ptr<Ticket>> ticket =
+        pool->Read(handle, buffer->data(), buffer->size(), 0, 0, 0, buffer);
+    CHECK_OK(ticket);
+  }
+  buffer.reset();
+  CHECK(!watch.expired());
+  CHECK_CODE(pool->Close(50 * kMs), Code::kTimeout);
+  CHECK(watch.expired());
 }
 
 TEST(CloseWaitsForTransfersAndKeepsFilesWhenAsked) {
@@ -773,6 +833,24 @@ TEST(DirectRangesPinTheObjectAndCountTheirBytes) {
   CHECK(std::memcmp(back->data(), "direct", 6) == 0);
   CHECK_EQ(pool->Stats()[0].bytes_read, uint64_t{1024 + 6});
   CHECK_OK(pool->Free(host, kLongWaitNs));
+}
+
+// Close gives up waiting for a direct copy (a GPU's DMA) still under way:
+// the pool closes, but the range's memory stays mapped until EndDirect, so
+// the late copy lands in memory nobody else uses instead of unmapped pages.
+TEST(CloseKeepsADirectRangeMappedUntilItEnds) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
+  const int32_t host = Alloc(*pool, TierKind::kHost, 64 * kKiB);
+  StatusOr<DirectRange> range =
+      pool->BeginDirect(host, 64 * kKiB, 0, Direction::kToPool);
+  CHECK_OK(range);
+  CHECK_CODE(pool->Close(20 * kMs), Code::kTimeout);
+  CHECK(pool->closed());
+  std::memset(range->address, 0x5a, 64 * kKiB);  // the late DMA
+  pool->EndDirect(*range);  // unmaps it now
+  CHECK(pool->MemoryRegions().empty());
+  CHECK_CODE(pool->Info(host), Code::kClosed);
 }
 
 TEST(DirectRangesAreRefusedWhereTheCopyEngineMustMoveTheBytes) {

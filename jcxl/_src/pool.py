@@ -18,10 +18,7 @@ import enum
 import functools
 import logging
 import os
-import shutil
-import stat
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -34,6 +31,7 @@ from jcxl import _jcxl
 from jcxl._src import errors
 from jcxl._src import jax_compat
 from jcxl._src import registry
+from jcxl._src import swap_dir as swap_dir_lib
 from jcxl._src import topology as topology_lib
 from jcxl._src.units import format_bandwidth
 from jcxl._src.units import format_bytes
@@ -277,24 +275,30 @@ class TransferRecord:
     return (self.finished_ns - self.started_ns) * 1e-9
 
 
-# Copies cancelled after their wait timed out, with their host buffers: a
-# chunk already under way may still touch a buffer, so it lives until then.
+# How long a wait that timed out gives the cancelled copy to stop (it ends
+# after the chunk it is on), so that what it had not moved it never moves.
 _CANCEL_GRACE_S = 2.0
-_abandoned: list[tuple[Any, np.ndarray]] = []
-_abandoned_lock = threading.Lock()
 
 
-def _keep_until_done(ticket: Any, buffer: np.ndarray) -> None:
-  with _abandoned_lock:
-    _abandoned[:] = [(t, b) for t, b in _abandoned if not t.done()]
-    if not ticket.done():
-      _abandoned.append((ticket, buffer))
+def _timeout_seconds(value: Any, name: str = "timeout_s") -> float:
+  """Validates a timeout in seconds: a number >= 0 (inf: no deadline)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                      np.floating)):
+    raise TypeError(f"{name} must be a number of seconds, but got "
+                    f"{value!r} ({type(value).__name__})")
+  seconds = float(value)
+  if not seconds >= 0:  # also nan
+    raise ValueError(f"{name} must be >= 0 seconds (inf for no deadline), "
+                     f"but got {value!r}")
+  return seconds
 
 
 class Transfer:
   """An asynchronous copy in flight; ``wait()`` until it is done.
 
-  It keeps the host buffer alive for as long as the copy may touch it.
+  The copy engine holds its own reference to the host buffer until it is
+  done with it, so a transfer may be dropped unwaited, or its wait may
+  fail, at any time: the buffer is freed only once no byte of it moves.
   """
 
   def __init__(self, ticket: Any, buffer: np.ndarray, timeout_s: float):
@@ -312,22 +316,29 @@ class Transfer:
     moves, so its destination (the buffer, or the object for a write) is
     left partly written, and nothing else is touched.
 
+    Args:
+      timeout_s: seconds to wait, >= 0 (``math.inf``: no deadline); None:
+        the pool's `timeout_s`. A bad value raises before anything else
+        happens: the transfer can still be waited for.
+
     Raises:
-      TransferTimeoutError: the copy did not finish within `timeout_s` (the
-        pool's `timeout_s` by default); the message names the object and
-        the time waited.
+      TypeError: `timeout_s` is not a number.
+      ValueError: `timeout_s` is negative or nan.
+      TransferTimeoutError: the copy did not finish within `timeout_s`; the
+        message names the object and the time waited.
       TierIOError: the nvme tier's file system failed the copy.
       PoolClosedError: the pool was closed before the copy ran.
     """
+    timeout_s = (self._timeout_s if timeout_s is None else
+                 _timeout_seconds(timeout_s))
     try:
-      self._ticket.wait(self._timeout_s if timeout_s is None else timeout_s)
+      self._ticket.wait(timeout_s)
     except errors.TransferTimeoutError:
       self._ticket.cancel()
       try:  # a cancelled copy stops after the chunk it is on
         self._ticket.wait(_CANCEL_GRACE_S)
       except errors.JcxlError:
         pass
-      _keep_until_done(self._ticket, self._buffer)
       raise
     return self._buffer
 
@@ -383,52 +394,29 @@ def _check_writable(out: np.ndarray) -> None:
     raise ValueError("out must be a writeable C-contiguous array")
 
 
-def _private_dir(base: str | os.PathLike) -> str:
-  """Validates the user's nvme directory and makes the pool's own in it."""
-  base = os.fspath(base)
-  if os.path.islink(base):
-    raise ValueError(f"nvme_dir {base!r} is a symbolic link; pass the real "
-                     f"directory ({os.path.realpath(base)!r})")
-  if not os.path.isdir(base):
-    raise ValueError(f"nvme_dir {base!r} does not exist or is not a directory")
-  if not os.access(base, os.W_OK | os.X_OK):
-    raise ValueError(f"nvme_dir {base!r} is not writable by this process")
-  try:
-    path = tempfile.mkdtemp(prefix="jcxl-pool-", dir=base)  # mode 0700
-  except OSError as e:
-    raise ValueError(f"nvme_dir {base!r} is not writable by this process: "
-                     f"{e.strerror}") from e
-  os.chmod(path, stat.S_IRWXU)
-  return path
-
-
 def _timed(fn) -> float:
   start = time.perf_counter()
   fn()
   return time.perf_counter() - start
 
 
-def _remove_private_dir(path: str) -> None:
-  """Removes the pool's own directory, even if its mode was changed."""
-  if not os.path.islink(path) and os.path.isdir(path):
-    try:
-      os.chmod(path, stat.S_IRWXU)
-    except OSError:
-      pass
-  shutil.rmtree(path, ignore_errors=True)
+def _close_at_exit(native: Any, swap: swap_dir_lib.SwapDir | None,
+                   timeout_s: float, pid: int) -> None:
+  """Closes a pool that was never closed (collected, or at exit).
 
-
-def _close_at_exit(native: Any, nvme_dir: str | None,
-                   timeout_s: float) -> None:
-  """Closes a pool that was never closed (collected, or at exit)."""
+  Not in a child the pool's process forked: the pool, its transfers and its
+  nvme directory are the parent's, which still uses them.
+  """
+  if os.getpid() != pid:
+    return
   try:
     if not native.closed:
       native.close(timeout_s)
   except errors.JcxlError as e:
     logger.warning("jcxl: closing a pool left open: %s", e)
   finally:
-    if nvme_dir:
-      _remove_private_dir(nvme_dir)
+    if swap is not None:
+      swap.remove()
 
 
 class Pool:
@@ -514,6 +502,7 @@ class Pool:
     self._measured_links: dict[Tier, LinkModel] = {}
     self._firmware_links: dict[Tier, tuple[FirmwareLink, ...]] = {}
     self._nvme_dir = None
+    self._swap_dir: swap_dir_lib.SwapDir | None = None
     self._cxl_kind: dict[Tier, str] = {}
     for tier, capacity in capacities.items():
       tier_config = _jcxl.TierConfig()
@@ -522,10 +511,11 @@ class Pool:
         self._configure_tier(tier, tier_config, cxl_link, emulate_cxl)
       config.set_tier(tier.index, tier_config)
       if capacity and tier is Tier.NVME:
-        self._nvme_dir = _private_dir(nvme_dir or tempfile.gettempdir())
+        self._swap_dir = swap_dir_lib.make(nvme_dir or tempfile.gettempdir(),
+                                           keep=bool(keep_nvme_files))
+        self._nvme_dir = self._swap_dir.path
         config.nvme_dir = self._nvme_dir
         config.keep_nvme_files = bool(keep_nvme_files)
-    self._keep_nvme_files = bool(keep_nvme_files)
     try:
       self._pool = _jcxl.Pool.create(config)
     except BaseException:
@@ -534,8 +524,8 @@ class Pool:
     # A pool left open is closed when it is collected or, at the latest, at
     # interpreter exit, so its nvme files never outlive the process.
     self._finalizer = weakref.finalize(
-        self, _close_at_exit, self._pool,
-        None if self._keep_nvme_files else self._nvme_dir, self._timeout_s)
+        self, _close_at_exit, self._pool, self._swap_dir, self._timeout_s,
+        os.getpid())
     self.id = self._pool.id
     self._settings = {
         **{tier.value: format_bytes(c) for tier, c in capacities.items()},
@@ -611,7 +601,7 @@ class Pool:
       raise ValueError(f"cannot store an empty object (shape {shape}, "
                        f"{dtype.name}): it has 0 bytes")
     return self._pool.allocate(tier.index, nbytes, list(shape),
-                               dtype.name)
+                               dtype.name, self._timeout_s)
 
   def put(self, array: Any, tier: str | Tier = "cxl", *,
           priority: int = 0) -> int:
@@ -641,7 +631,7 @@ class Pool:
     """Starts writing `array`'s bytes into object `handle` at byte `offset`."""
     host = _as_host_array(array)
     ticket = self._pool.write(handle, host.ctypes.data, host.nbytes, offset,
-                              priority, chunk_bytes)
+                              priority, chunk_bytes, host)
     return Transfer(ticket, host, self._timeout_s)
 
   def get(self, handle: int, out: np.ndarray | None = None, *,
@@ -669,7 +659,7 @@ class Pool:
             f"{handle} holds shape {info.shape} and dtype {info.dtype}")
       _check_writable(out)
     ticket = self._pool.read(handle, out.ctypes.data, info.nbytes, 0,
-                             priority, chunk_bytes)
+                             priority, chunk_bytes, out)
     return Transfer(ticket, out, self._timeout_s)
 
   def read_bytes_async(self, handle: int, out: np.ndarray, *, offset: int = 0,
@@ -677,7 +667,7 @@ class Pool:
     """Starts reading `out.nbytes` bytes of the object from byte `offset`."""
     _check_writable(out)
     ticket = self._pool.read(handle, out.ctypes.data, out.nbytes, offset,
-                             priority, chunk_bytes)
+                             priority, chunk_bytes, out)
     return Transfer(ticket, out, self._timeout_s)
 
   def free(self, handle: int) -> None:
@@ -842,8 +832,8 @@ class Pool:
       self._finalizer.detach()
 
   def _remove_nvme_dir(self) -> None:
-    if self._nvme_dir and not self._keep_nvme_files:
-      _remove_private_dir(self._nvme_dir)
+    if self._swap_dir is not None:
+      self._swap_dir.remove()
 
   def __enter__(self) -> Pool:
     return self

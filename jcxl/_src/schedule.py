@@ -15,10 +15,11 @@ uses them. The schedules a step accepts:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jcxl._src import costmodel
@@ -29,13 +30,48 @@ DEEPSPEED_PREFETCH_BUCKET = 50_000_000
 
 
 @dataclasses.dataclass(frozen=True)
+class MadeFor:
+  """What a plan was made for: the step's pool-resident leaves.
+
+  Attributes:
+    layer_names: the layers (module paths) they make up, sorted.
+    leaves: how many there are.
+    digest: a SHA-256 over each leaf's path, shape and dtype (16 hex
+      digits): two steps with the same digest stream the same leaves.
+  """
+  layer_names: tuple[str, ...]
+  leaves: int
+  digest: str
+
+  @classmethod
+  def of(cls, leaves: Iterable[tuple[str, str, Sequence[int], Any]]
+         ) -> MadeFor:
+    """From (layer, path, shape, dtype) of each pool-resident leaf."""
+    rows = sorted((layer, path, tuple(int(d) for d in shape), str(dtype))
+                  for layer, path, shape, dtype in leaves)
+    text = json.dumps([row[1:] for row in rows])
+    return cls(tuple(sorted({row[0] for row in rows})), len(rows),
+               hashlib.sha256(text.encode()).hexdigest()[:16])
+
+  def describe(self) -> str:
+    return (f"{len(self.layer_names)} layers, {self.leaves} pool-resident "
+            f"leaves (fingerprint {self.digest})")
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerSchedule:
-  """A resolved schedule: a prefetch distance and chunk size per layer."""
+  """A resolved schedule: a prefetch distance and chunk size per layer.
+
+  `made_for` and `source` (a saved plan's step and file) say what the
+  plan is for; they are not part of the plan's identity.
+  """
   prefetch: tuple[tuple[str, int], ...] = ()
   chunk_bytes: tuple[tuple[str, int], ...] = ()
   default_prefetch: int = 0
   default_chunk_bytes: int = 0  # 0: the pool's default
   name: str = "per-layer"
+  made_for: MadeFor | None = dataclasses.field(default=None, compare=False)
+  source: str = dataclasses.field(default="", compare=False)
 
   @classmethod
   def of(cls, prefetch: Mapping[str, int],
@@ -100,6 +136,33 @@ class DapSchedule:
 Schedule = FixedSchedule | BucketSchedule | LayerSchedule | DapSchedule
 
 
+def check_made_for(schedule: Schedule, step: MadeFor) -> None:
+  """Refuses a saved plan (``'plan:PATH'``, ``'dap:PATH'``) made for a
+  step whose pool-resident leaves differ from `step`'s.
+
+  Raises:
+    ValueError: naming the plan, both steps and the layers that differ.
+  """
+  saved = schedule.start if isinstance(schedule, DapSchedule) else schedule
+  if not isinstance(saved, LayerSchedule) or saved.made_for is None:
+    return  # not a saved plan, or one saved without its step's fingerprint
+  made_for = saved.made_for
+  if made_for == step:
+    return
+  plan, here = set(made_for.layer_names), set(step.layer_names)
+  differ = [f"layers the plan lacks: {sorted(here - plan)}"
+            if here - plan else "",
+            f"layers the step lacks: {sorted(plan - here)}"
+            if plan - here else ""]
+  differ = "; ".join(d for d in differ if d) or (
+      "the same layers, with leaves of other paths, shapes or dtypes")
+  raise ValueError(
+      f"plan {saved.source or saved.name!r} was made for a step with "
+      f"{made_for.describe()}, but this step has {step.describe()}: "
+      f"{differ}. Plan this step afresh (schedule='dap') or load a plan "
+      "saved from it")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
   """How one layer's pool-resident leaves stream into the step."""
@@ -119,11 +182,14 @@ class Plan:
     schedule: the schedule that chose it.
     predicted_step_s: the cost model's step time for it (None if unknown).
     reasons: why the planner chose it, one line per decision.
+    made_for: the step it was made for; a saved plan is refused by a step
+      whose pool-resident leaves differ (names, shapes, dtypes, count).
   """
   layers: tuple[LayerPlan, ...]
   schedule: str
   predicted_step_s: float | None = None
   reasons: tuple[str, ...] = ()
+  made_for: MadeFor | None = None
 
   def layer(self, name: str) -> LayerPlan:
     for layer in self.layers:
@@ -148,26 +214,35 @@ class Plan:
     why = "".join(f"\n  {r}" for r in self.reasons)
     return f"{head}:\n{self.table()}" + (f"\nwhy:{why}" if why else "")
 
-  def as_schedule(self) -> LayerSchedule:
-    """This plan's distances and chunks, to compile a step with."""
-    return LayerSchedule.of({l.name: l.prefetch for l in self.layers},
-                            {l.name: l.chunk_bytes for l in self.layers},
-                            name=f"plan({self.schedule})")
+  def as_schedule(self, source: str = "") -> LayerSchedule:
+    """This plan's distances and chunks, to compile a step with (the
+    plan's `source` file, for errors)."""
+    return dataclasses.replace(
+        LayerSchedule.of({l.name: l.prefetch for l in self.layers},
+                         {l.name: l.chunk_bytes for l in self.layers},
+                         name=f"plan({self.schedule})"),
+        made_for=self.made_for, source=source)
 
   def to_json(self) -> dict[str, Any]:
     return {"schedule": self.schedule,
             "predicted_step_s": self.predicted_step_s,
             "reasons": list(self.reasons),
-            "layers": [dataclasses.asdict(l) for l in self.layers]}
+            "layers": [dataclasses.asdict(l) for l in self.layers],
+            "made_for": (dataclasses.asdict(self.made_for)
+                         if self.made_for else None)}
 
   @classmethod
   def from_json(cls, data: Mapping[str, Any]) -> Plan:
     try:
       layers = tuple(LayerPlan(**{**l, "tiers": tuple(l["tiers"])})
                      for l in data["layers"])
+      made_for = data.get("made_for")
+      if made_for is not None:
+        made_for = MadeFor(tuple(made_for["layer_names"]),
+                           int(made_for["leaves"]), str(made_for["digest"]))
       return cls(layers, str(data["schedule"]), data.get("predicted_step_s"),
-                 tuple(data.get("reasons", ())))
-    except (KeyError, TypeError) as e:
+                 tuple(data.get("reasons", ())), made_for)
+    except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"not a jcxl plan: {e!r}") from None
 
   def save(self, path: str) -> None:
@@ -214,7 +289,7 @@ def parse_schedule(schedule: str | Schedule) -> Schedule:
     if elements >= 1 and elements == int(elements):
       return BucketSchedule(int(elements))
   if kind == "plan" and arg:
-    return Plan.load(arg).as_schedule()
+    return Plan.load(arg).as_schedule(source=arg)
   if kind == "dap" and arg:
-    return DapSchedule(Plan.load(arg).as_schedule())
+    return DapSchedule(Plan.load(arg).as_schedule(source=arg))
   raise ValueError(f"{_GRAMMAR}, but got {schedule!r}")

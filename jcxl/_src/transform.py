@@ -21,12 +21,14 @@ import collections
 import dataclasses
 import functools
 import logging
+import time
 from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 
 from jcxl import _jcxl
+from jcxl._src import compile_ahead
 from jcxl._src import costmodel
 from jcxl._src import jax_compat
 from jcxl._src.program import Lit
@@ -411,6 +413,12 @@ class OffloadedStep:
     self._plan: schedule_lib.Plan | None = None
     self.last_profile: profile_lib.StepProfile | None = None
     self.compiles = 0
+    # DAP: plans to come compile on a thread of their own while the step
+    # runs the one that ran last, (signature, entry).
+    self._ahead = (compile_ahead.CompileAhead(self.tuner, self._compile_plan)
+                   if self.tuner else None)
+    self._ran: tuple[Any, _Entry] | None = None
+    self._ahead_plans: dict[schedule_lib.LayerSchedule, Any] = {}
     self._last_results: Any = None
     self._identity = object()
     functools.update_wrapper(self, fn)
@@ -495,11 +503,18 @@ class OffloadedStep:
                      planner.timeline(stores, store_after, timed))
 
   # The traced function: args in, the outputs that are not pool state out.
-  def _run(self, args: tuple[Any, ...], prep: "_Prepared") -> list[Any]:
+  # `ahead`: a DAP plan to compile on the compiling thread (see
+  # compile_ahead), which must leave the tuner and `self._plan` alone.
+  def _run(self, args: tuple[Any, ...], prep: "_Prepared",
+           ahead: schedule_lib.LayerSchedule | None = None) -> list[Any]:
     a = self._analyze(args, prep)
     links = _tier_links(a.resident.values())
-    schedule = (self.tuner.resolve(a.segments, links) if self.tuner else
-                self._schedule.resolve(a.segments, links))
+    made_for = schedule_lib.MadeFor.of(
+        (layer_of(a.key_paths[k]), a.key_paths[k], t.shape, t.dtype)
+        for k, t in a.resident.items() if isinstance(t, PoolArray))
+    schedule_lib.check_made_for(self._schedule, made_for)
+    schedule = ahead or (self.tuner.resolve(a.segments, links) if self.tuner
+                         else self._schedule.resolve(a.segments, links))
     a.planner.schedule_fetches(schedule)
     interpreter = _Interpreter(a.program, a.planner, a.values, schedule,
                                a.stores, a.store_after)
@@ -516,8 +531,12 @@ class OffloadedStep:
     # After the outputs: a call reads only those (see _Interpreter).
     out.extend(interpreter.tokens())
     self._segments = a.segments
-    self._record_plan(a.planner, a.key_paths, a.resident, schedule,
-                      a.segments, links)
+    plan = self._record_plan(a.planner, a.key_paths, a.resident, schedule,
+                             a.segments, links, made_for, tuned=not ahead)
+    if ahead:
+      self._ahead_plans[ahead] = plan
+    else:
+      self._plan = plan
     return out
 
   def _state_targets(self, args: tuple[Any, ...], out_shape: Any
@@ -566,7 +585,9 @@ class OffloadedStep:
   def _record_plan(self, planner: Planner, paths: dict, resident: dict,
                    schedule: schedule_lib.LayerSchedule,
                    segments: list[costmodel.Segment],
-                   links: dict[str, costmodel.Link]) -> None:
+                   links: dict[str, costmodel.Link],
+                   made_for: schedule_lib.MadeFor,
+                   tuned: bool = True) -> schedule_lib.Plan:
     layers = collections.OrderedDict()
     for c in planner.clusters + [
         Cluster(k, i, i) for i, s in planner.streamed.items()
@@ -589,15 +610,15 @@ class OffloadedStep:
           tiers=tuple(sorted(entry["tiers"])),
           prefetch=schedule.prefetch_for(name),
           chunk_bytes=schedule.chunk_for(name)))
-    if self.tuner:
+    if self.tuner and tuned:
       prediction, reasons = self.tuner.prediction, self.tuner.reasons
     else:
       prediction = costmodel.simulate(
           segments, {l.name: l.prefetch for l in rows}, links,
           {l.name: l.chunk_bytes for l in rows})
       reasons = ()
-    self._plan = schedule_lib.Plan(tuple(rows), str(self._schedule),
-                                   prediction.step_s, reasons)
+    return schedule_lib.Plan(tuple(rows), str(self._schedule),
+                             prediction.step_s, reasons, made_for)
 
   @property
   def plan(self) -> schedule_lib.Plan | None:
@@ -632,20 +653,34 @@ class OffloadedStep:
     return self._lower(args, self._prepare(args), _bake_handles(args))
 
   def _lower(self, args: tuple[Any, ...], prep: _Prepared,
-             baking: tuple[tuple[int, ...], Callable]) -> Any:
+             baking: tuple[tuple[int, ...], Callable],
+             ahead: schedule_lib.LayerSchedule | None = None) -> Any:
     passed, rebuild = baking
     flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
-    return jax.jit(lambda *a: self._run(rebuild(*a), prep)).lower(
+    return jax.jit(lambda *a: self._run(rebuild(*a), prep, ahead)).lower(
         *(flat[i] for i in passed))
+
+  def _compile_plan(self, args: tuple[Any, ...],
+                    schedule: schedule_lib.LayerSchedule) -> tuple[Any, int]:
+    """The step compiled with DAP plan `schedule`, and its device need (on
+    the compiling thread: see compile_ahead)."""
+    prep, baking = self._prepare(args), _bake_handles(args)
+    compiled = self._lower(args, prep, baking, schedule).compile()
+    return (self._make_entry(args, prep, baking, compiled,
+                             self._ahead_plans.pop(schedule)),
+            device_need(compiled.memory_analysis()))
 
   def _compile(self, args: tuple[Any, ...]) -> _Entry:
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
-    liveness = Liveness([x for x in flat_args if isinstance(x, PoolArray)])
-    liveness.check()  # a closed pool or a freed array, named, before tracing
+    # A closed pool or a freed array, named, before tracing.
+    Liveness([x for x in flat_args if isinstance(x, PoolArray)]).check()
     prep = self._prepare(args)
     baking = _bake_handles(args)  # once: it reads every handle back
+    started = time.perf_counter()
     compiled = self._lower(args, prep, baking).compile()
     self.compiles += 1
+    if self.tuner:
+      self.tuner.add_compile(time.perf_counter() - started)
     # A DAP plan learns the step's memory without prefetch from its
     # compiles; a plan over the budget is re-planned within it, with less
     # prefetch each time (so this ends), or leaves a race for a plan
@@ -654,19 +689,29 @@ class OffloadedStep:
         device_need(compiled.memory_analysis())):
       if self._cache_key(args) in self._compiled:
         return self._compiled[self._cache_key(args)]
+      started = time.perf_counter()
       compiled = self._lower(args, prep, baking).compile()
       self.compiles += 1
+      self.tuner.add_compile(time.perf_counter() - started)
     self._check_budget(compiled)
+    return self._make_entry(args, prep, baking, compiled, self._plan)
+
+  def _make_entry(self, args: tuple[Any, ...], prep: _Prepared,
+                  baking: tuple[tuple[int, ...], Callable], compiled: Any,
+                  plan: Any) -> _Entry:
+    flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     # Where each output comes from: a pool-resident argument leaf (updated
     # in place) or the compiled step's results.
     sources = [prep.targets.get(j) for j in range(prep.out_tree.num_leaves)]
     sources = [i if i is not None and isinstance(flat_args[i], PoolArray)
                else None for i in sources]
-    return _Entry(compiled, prep.out_tree, sources, self._plan, baking[0],
-                  liveness)
+    return _Entry(compiled, prep.out_tree, sources, plan, baking[0],
+                  Liveness([x for x in flat_args
+                            if isinstance(x, PoolArray)]))
 
-  def _cache_key(self, args: tuple[Any, ...]) -> Any:
-    return self._signature(args), self.tuner.version if self.tuner else 0
+  def _cache_key(self, args: tuple[Any, ...], signature: Any = None) -> Any:
+    return (signature or self._signature(args),
+            self.tuner.version if self.tuner else 0)
 
   def compile(self, *args) -> Any:
     """Compiles the step for these arguments without running it (or takes
@@ -678,10 +723,10 @@ class OffloadedStep:
     """
     return self._entry(self._place_inputs(args)).executable
 
-  def _entry(self, args: tuple[Any, ...]) -> _Entry:
+  def _entry(self, args: tuple[Any, ...], signature: Any = None) -> _Entry:
     # The key once a call: it flattens every argument (1.5 ms a call for
     # 91 pool arrays here).
-    entry = self._compiled.get(self._cache_key(args))
+    entry = self._compiled.get(self._cache_key(args, signature))
     if entry is None:
       entry = self._compile(args)
       # Keyed after compiling: a DAP budget re-plan moves the plan on.
@@ -701,15 +746,34 @@ class OffloadedStep:
     results = self._call(args, measure=True)
     return results, self.last_profile
 
+  def _tuned_entry(self, args: tuple[Any, ...], signature: Any
+                   ) -> tuple[_Entry, list]:
+    """Under DAP, the entry this call runs: the tuner's plan where it is
+    compiled, else the one that ran last while it compiles (see
+    compile_ahead); and the plans still compiling (empty: none)."""
+    for compiled_for, schedule, entry in self._ahead.harvest():
+      self.compiles += 1
+      self._compiled[(compiled_for, self.tuner.version_of(schedule))] = entry
+    if self._ran is not None and self._ran[0] == signature:
+      missing = self._ahead.missing(
+          signature, args,
+          lambda s: (signature, self.tuner.version_of(s)) in self._compiled)
+      if missing:
+        self._ran[1].liveness.check()
+        return self._ran[1], missing
+    return self._entry(args, signature), []  # the first call compiles here
+
   def _call(self, args: tuple[Any, ...], measure: bool) -> Any:
     args = self._place_inputs(args)
-    entry = self._entry(args)
+    signature = self._signature(args) if self.tuner else None
+    entry, compiling = (self._tuned_entry(args, signature) if self.tuner
+                        else (self._entry(args), []))
     self._plan = entry.plan
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     after_other = OffloadedStep._ran_last not in (None, self._identity)
     OffloadedStep._ran_last = self._identity
-    wanted = self.tuner is not None and self.tuner.wants_measurement(
-        after_other)
+    wanted = (self.tuner is not None and not compiling and
+              self.tuner.wants_measurement(after_other))
     measure = measure or wanted
     if measure:
       jax.block_until_ready(self._last_results)
@@ -726,12 +790,15 @@ class OffloadedStep:
       window = (started, _jcxl.now_ns())
       self.last_profile = profile_lib.profile_step(
           self._collect(), self._first_device, window, self._segments)
-    if self.tuner:
+    if compiling:
+      self.tuner.waited(compiling, self._ahead.compiling_s())
+    elif self.tuner:
+      self._ran = (signature, entry)
       version = self.tuner.version
       self.tuner.step_done(self.last_profile if wanted else None)
       # `plan` is the one the next step runs, when it is compiled already
       # (a race moving on, or settling on the plan it keeps).
-      following = (self._compiled.get(self._cache_key(args))
+      following = (self._compiled.get(self._cache_key(args, signature))
                    if self.tuner.version != version else None)
       if following is not None:
         self._plan = following.plan

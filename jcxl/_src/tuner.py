@@ -16,6 +16,16 @@ for, and the step with it (another job shares the link, say), and a few more
 measured steps, spaced out, confirm it, it re-plans, and races again if the
 plan changed. When only the step slows (the host got busier), every plan
 slows alike: it keeps the plan and measures a new baseline.
+
+What tuning costs is bounded by construction. Plans to come compile on a
+thread of their own (``compile_ahead``) while the plan that ran last keeps
+training at its own pace; those steps are "waited" steps. A tuning
+episode (from the first step, or from a check that looked off) runs at
+most `max_tuning_steps` steps that tune (warm up, measure, race, take a
+baseline): at the limit the fastest plan measured so far is kept. It
+compiles for at most `max_compile_s` seconds: then the plans not compiled
+yet are dropped, and it goes on with those that are. Each episode's cost
+(steps, waited steps, compiles, compile seconds) is in ``Tuner.costs``.
 """
 
 from __future__ import annotations
@@ -89,6 +99,13 @@ class TunerOptions:
       5-35%); the others race on,
     race_max_rounds: until one is left or this many rounds were measured
       (close candidates are told apart by more steps, not by luck).
+    max_tuning_steps: steps a tuning episode runs plans to measure them
+      (warm-up, measuring, racing, baseline) before the best plan measured
+      so far is kept and the tuner is settled.
+    max_compile_s: seconds an episode may spend compiling (each plan
+      from its start, the one in progress included; not the first call's,
+      which any schedule pays); then the plans not compiled yet are dropped
+      (a compile in progress cannot be stopped: its plan is not used).
   """
   warmup_steps: int = 1
   measure_steps: int = 3
@@ -104,6 +121,38 @@ class TunerOptions:
   race_block: int = 2
   race_alpha: float = 0.125
   race_max_rounds: int = 12
+  max_tuning_steps: int = 64
+  max_compile_s: float = 60.0
+
+  def __post_init__(self):
+    value = self.max_tuning_steps
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError("TunerOptions.max_tuning_steps must be an int >= 1, "
+                       f"but got {value!r}")
+    if not (isinstance(self.max_compile_s, (int, float))
+            and self.max_compile_s >= 0 and math.isfinite(self.max_compile_s)):
+      raise ValueError("TunerOptions.max_compile_s must be a finite number "
+                       f">= 0, but got {self.max_compile_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningCost:
+  """What one tuning episode cost, until the tuner settled.
+
+  Attributes:
+    steps: steps from the episode's start until settled (waited included).
+    waited_steps: of those, steps that ran the plan that ran before while
+      the next plans compiled on the compiling thread.
+    compiles: plans compiled in the episode (the first call's included).
+    compile_s: seconds spent compiling them (off the step's path but for
+      the first call's).
+    limited: why it settled early ("tuning steps", "compile"), or "".
+  """
+  steps: int
+  waited_steps: int
+  compiles: int
+  compile_s: float
+  limited: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +217,13 @@ class Tuner:
     # Step time the model does not see (dispatch, host work), measured
     # against its prediction for the plan that ran; added to predictions.
     self._overhead_s = 0.0
+    self._ran_schedule: LayerSchedule | None = None
+    # The tuning episode in progress (see TuningCost), and those settled.
+    self._cost = TuningCost(0, 0, 0, 0.0)
+    self.costs: list[TuningCost] = []
+    # Compile seconds before the first step: the step cannot run without
+    # them, a fixed schedule's step neither; not held against the limit.
+    self._first_compile_s = 0.0
 
   # ------------------------------------------------------------ planning
 
@@ -180,6 +236,12 @@ class Tuner:
   @property
   def converged(self) -> bool:
     return self._state == "steady"
+
+  @property
+  def tuning_steps(self) -> int:
+    """Steps the episode in progress (or the last one) ran to tune, not
+    counting those that waited for compiles: at most `max_tuning_steps`."""
+    return self._cost.steps - self._cost.waited_steps
 
   def resolve(self, segments: Sequence[costmodel.Segment],
               links: Mapping[str, costmodel.Link]) -> LayerSchedule:
@@ -239,17 +301,20 @@ class Tuner:
                 "; ".join(choice.reasons))
     return changed
 
-  def calibrate(self, need_bytes: int) -> bool:
+  def calibrate(self, need_bytes: int,
+                schedule: LayerSchedule | None = None) -> bool:
     """Learns the device need without prefetch from a compiled plan's
-    need; re-plans (True) if that plan is over the budget.
+    need (`schedule`, the current plan by default); re-plans (True) if the
+    current plan is over the budget.
 
     The device's need does not grow byte for byte with the prefetched
     bytes (XLA reuses buffers around its peak), so a plan over the budget
     leaves later plans at most half its prefetch, less the overage: the
     re-plans that follow end within log2 of its prefetched bytes.
     """
+    schedule = schedule or self.schedule
     peak = costmodel.peak_prefetch_bytes(self._segments,
-                                         dict(self.schedule.prefetch))
+                                         dict(schedule.prefetch))
     over = self.budget is not None and need_bytes > self.budget
     if over:
       allowed = min(self.budget - need_bytes + peak, peak // 2)
@@ -258,16 +323,86 @@ class Tuner:
     if not over:
       return False
     before = self.schedule
-    if self._race:  # a raced candidate over the budget leaves the race
-      del self._race[before]
-      self._race_queue = [c for c in self._race_queue if c != before]
-      self._event("budget", None, f"{_describe(before, self._race_base)} "
+    if schedule in self._race:  # a raced candidate leaves the race
+      del self._race[schedule]
+      self._race_queue = [c for c in self._race_queue if c != schedule]
+      self._event("budget", None, f"{_describe(schedule, self._race_base)} "
                   f"needs {need_bytes} B of device memory, over the budget: "
                   "out of the race")
-      self._switch(self._race_base)
-      return True
+      if schedule == before:
+        self._switch(self._race_base)
+      return self.schedule != before
+    if schedule != before:  # a plan the tuner has left already
+      return False
     self._replan("budget", measured_s=None, over_budget=True)
     return self.schedule != before
+
+  # ----------------------------------------------------------- compiling
+
+  def version_of(self, schedule: LayerSchedule) -> int:
+    """The compile-cache version of `schedule` (one per plan tried)."""
+    return self._versions.setdefault(schedule, len(self._versions))
+
+  def upcoming(self) -> list[LayerSchedule]:
+    """The plans the next steps run: every candidate of a race (it starts
+    once all are compiled), else the current plan."""
+    if self._state == "race":
+      return list(dict.fromkeys([self.schedule, *self._race]))
+    return [self.schedule]
+
+  def compiled(self, schedule: LayerSchedule, need_bytes: int,
+               seconds: float) -> bool:
+    """Takes a plan compiled on the compiling thread: its device need and
+    compile time. Returns whether it is within the budget (usable)."""
+    self.add_compile(seconds)
+    self.calibrate(need_bytes, schedule)
+    return self.budget is None or need_bytes <= self.budget
+
+  def add_compile(self, seconds: float) -> None:
+    """Counts a compile of `seconds` into the episode's cost."""
+    if not self._steps:
+      self._first_compile_s += seconds
+    self._cost = dataclasses.replace(
+        self._cost, compiles=self._cost.compiles + 1,
+        compile_s=self._cost.compile_s + seconds)
+
+  def waited(self, missing: Sequence[LayerSchedule],
+             compiling_s: float = 0.0) -> None:
+    """A step ran the plan that ran last while `missing` compile (the one
+    compiling now for `compiling_s`). Past `max_compile_s` of compiling in
+    this episode, the plans not compiled are dropped."""
+    self._steps += 1
+    self._cost = dataclasses.replace(
+        self._cost, steps=self._cost.steps + 1,
+        waited_steps=self._cost.waited_steps + 1)
+    spent = self._cost.compile_s + compiling_s - (
+        0.0 if self.costs else self._first_compile_s)
+    if spent >= self.options.max_compile_s:
+      self.give_up(missing, f"{spent:.1f} s compiling, the limit is "
+                   f"{self.options.max_compile_s:g} s")
+
+  def give_up(self, missing: Sequence[LayerSchedule], why: str) -> None:
+    """Drops plans to come that could not be compiled (in time): a race
+    goes on with those that are; a re-plan keeps the plan that ran."""
+    missing = set(missing) & set(self.upcoming())
+    if not missing:
+      return
+    self._cost = dataclasses.replace(self._cost, limited="compile")
+    self._event("compile limit", None, f"{why}: {len(missing)} plan(s) not "
+                "compiled yet dropped")
+    if self._state != "race":
+      self._settle(self._ran_schedule or self.schedule)
+      return
+    for c in missing:
+      self._race.pop(c, None)
+    if len(self._race) <= 1:
+      kept = next(iter(self._race), self._race_base)
+      self._race, self._race_queue = {}, []
+      self._settle(kept)
+      return
+    self._race_round = 0  # nothing raced yet: it waited for them all
+    self._race_queue = list(self._race)
+    self._race_turn()
 
   # ----------------------------------------------------------- measuring
 
@@ -310,8 +445,48 @@ class Tuner:
     Returns whether the next step runs another plan (compiled already or
     to be compiled).
     """
+    before, was_steady = self.schedule, self._state == "steady"
     self._steps += 1
-    self._ran_version = self.version
+    self._ran_version, self._ran_schedule = self.version, self.schedule
+    switches = self._advance(profile)
+    if was_steady:
+      if self._state != "steady":  # a check looked off: a new episode
+        self._cost = TuningCost(0, 0, 0, 0.0)
+      return switches
+    self._cost = dataclasses.replace(self._cost, steps=self._cost.steps + 1)
+    if (self._state != "steady" and
+        self.tuning_steps >= self.options.max_tuning_steps):
+      self._keep_best()
+    if self._state == "steady":
+      self.costs.append(self._cost)
+    return switches or self.schedule != before
+
+  def _keep_best(self) -> None:
+    """Settles on the fastest plan measured so far in this episode (the
+    plan that ran, where none was): the tuning step limit."""
+    measured = dict(self._measured)
+    measured.update({c: statistics.median(p.step_s for p in ps)
+                     for c, ps in {**self._race, **self._race_out}.items()
+                     if ps})
+    best = (min(measured, key=measured.get) if measured
+            else self._ran_schedule)
+    self._race, self._race_out, self._race_queue = {}, {}, []
+    if best in measured:  # the prediction is what it was measured at
+      self._learn_overhead(best, measured[best])
+    self._switch(best)
+    self._state, self._window = "steady", []
+    self._recent = [measured[best]] if best in measured else []
+    self._since_check, self._spacing = 0, None
+    self._check_every = self.options.check_every
+    self._cost = dataclasses.replace(self._cost, limited="tuning steps")
+    self._event("settled", measured.get(best), "tuning step limit "
+                f"({self.options.max_tuning_steps}) reached: keeping the "
+                "fastest plan measured so far" + (
+                    f", {_ms(measured[best])} a step" if best in measured
+                    else " (none measured: the plan that ran)"))
+
+  def _advance(self, profile: StepProfile | None) -> bool:
+    """The state machine's step (see step_done)."""
     if self._state == "race":
       return self._race_step(profile)
     if profile is None:
