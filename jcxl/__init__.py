@@ -33,6 +33,7 @@ from jcxl._src.transform import OffloadedStep as OffloadedStep
 from jcxl._src.transform import cxl_offload as cxl_offload
 from jcxl._src.tuner import Tuner as Tuner
 from jcxl._src.tuner import TunerEvent as TunerEvent
+from jcxl._src.tuner import TunerOptions as TunerOptions
 from jcxl import distributed as distributed
 from jcxl import planning as planning
 from jcxl import topology as topology
@@ -70,6 +71,7 @@ __all__ = [
     "StepProfile",
     "Tuner",
     "TunerEvent",
+    "TunerOptions",
     "cxl_offload",
     "cuda_available",
     # Modules.
