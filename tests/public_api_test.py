@@ -103,6 +103,7 @@ class ExportsTest:
       for _ in range(2):
         params, _ = step(params, jnp.ones((2, 4), jnp.float32))
       assert isinstance(step.tuner, jcxl.Tuner)
+      assert isinstance(step.tuner.options, jcxl.TunerOptions)
       assert step.tuner.history
       assert all(isinstance(e, jcxl.TunerEvent) for e in step.tuner.history)
 
