@@ -4,6 +4,7 @@ Parameters and optimizer state live in a tiered pool outside the device
 (CXL memory, host DRAM, NVMe files) and stream into the jitted step.
 """
 
+from jcxl._src.errors import CheckpointCorruptError as CheckpointCorruptError
 from jcxl._src.errors import JcxlError as JcxlError
 from jcxl._src.errors import PoolClosedError as PoolClosedError
 from jcxl._src.errors import PoolExhaustedError as PoolExhaustedError
@@ -41,6 +42,7 @@ from jcxl import units as units
 
 __all__ = [
     # Errors.
+    "CheckpointCorruptError",
     "JcxlError",
     "PoolClosedError",
     "PoolExhaustedError",

@@ -25,7 +25,7 @@ WAIT_S = 600
 def kill_at(point: str, target: str) -> None:
   """Makes this process SIGKILL itself at `point` of the save of `target`."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from jcxl._src import checkpoint  # pylint: disable=g-import-not-at-top
+  from jcxl._src import checkpoint_checksums  # pylint: disable=g-import-not-at-top
   from jcxl._src import orbax_compat  # pylint: disable=g-import-not-at-top
 
   def die():
@@ -42,7 +42,7 @@ def kill_at(point: str, target: str) -> None:
     setattr(orbax_compat, name, wrapper)
 
   if point == "after_first_arrays":  # some arrays written, not all
-    checkpoint._GROUP_BYTES = 1  # pylint: disable=protected-access
+    checkpoint_checksums.GROUP_BYTES = 1
     after("write_host_arrays")
   elif point == "after_all_arrays":  # arrays written, no _METADATA yet
     after("write_array_metadatas")

@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -639,3 +640,101 @@ class TrainResumeTest:
                 f"--resume={tmp_path / 'x'}")
 
 
+
+
+def data_files(path: str) -> list[str]:
+  """The checkpoint's OCDBT data files, largest first."""
+  files = [os.path.join(root, name) for root, _, names in os.walk(path)
+           for name in names if os.path.basename(root) == "d"]
+  return sorted(files, key=os.path.getsize, reverse=True)
+
+
+class IntegrityTest:
+  """A checkpoint's bytes are checked when it is read: a changed, cut or
+  missing data file is an error naming the array, raised before anything
+  is restored or overwritten."""
+
+  @pytest.fixture
+  def saved(self, pool, tmp_path):
+    # 'big' is the one array large enough to live in its own data file.
+    tree = {"big": jcxl.place(np.arange(65536, dtype=np.float32), "cxl",
+                              pool=pool),
+            "small": jcxl.place(np.ones(8, np.int32), "host", pool=pool),
+            "numpy": np.arange(6, dtype=np.int64),
+            "step": 3}
+    path = jcxl.checkpoint.save(tmp_path / "ckpt", tree)
+    return path, tree
+
+  def flip_a_byte(self, path: str) -> str:
+    file = data_files(path)[0]
+    with open(file, "r+b") as f:
+      f.seek(os.path.getsize(file) // 2)
+      byte = f.read(1)
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte[0] ^ 0x10]))
+    return file
+
+  def test_intact_checkpoint_restores(self, saved):
+    path, tree = saved
+    assert_bit_equal(jcxl.checkpoint.restore(path, like=tree), tree)
+
+  def test_flipped_byte_is_named_before_restore(self, saved, pool):
+    path, tree = saved
+    file = self.flip_a_byte(path)
+    before = pool.handles()
+    with pytest.raises(jcxl.CheckpointCorruptError,
+                       match=rf"array 'big' is corrupt.*{re.escape(file)}"):
+      jcxl.checkpoint.restore(path, like=tree)
+    assert pool.handles() == before  # nothing was made
+
+  def test_flipped_byte_leaves_restore_into_targets_untouched(self, saved):
+    path, tree = saved
+    live = {**tree, "big": jcxl.place(np.full(65536, 5, np.float32), "cxl",
+                                      pool=tree["big"].pool),
+            "small": jcxl.place(np.full(8, 9, np.int32), "host",
+                                pool=tree["big"].pool)}
+    self.flip_a_byte(path)
+    with pytest.raises(jcxl.CheckpointCorruptError, match="'big' is corrupt"):
+      jcxl.checkpoint.restore_into(path, live)
+    assert (np.asarray(jcxl.gather(live["big"])) == 5).all()
+    assert (np.asarray(jcxl.gather(live["small"])) == 9).all()
+
+  @pytest.mark.parametrize("damage", ["truncate", "delete"])
+  def test_cut_or_missing_data_file_names_the_array(self, saved, damage):
+    path, tree = saved
+    file = data_files(path)[0]
+    if damage == "truncate":
+      open(file, "wb").close()
+    else:
+      os.remove(file)
+    with pytest.raises(jcxl.CheckpointCorruptError,
+                       match=r"array 'big' cannot be read"):
+      jcxl.checkpoint.restore(path, like=tree)
+
+  def test_changed_checksum_file_is_refused(self, saved):
+    path, tree = saved
+    (checksums,) = [n for n in os.listdir(path) if n.startswith("jcxl_")]
+    os.remove(os.path.join(path, checksums))
+    with pytest.raises(jcxl.CheckpointCorruptError, match="files are gone"):
+      jcxl.checkpoint.restore(path, like=tree)
+
+  def test_latest_skips_unreadable_metadata(self, pool, tmp_path):
+    tree = {"w": jcxl.place(np.ones(4, np.float32), "cxl", pool=pool)}
+    first = jcxl.checkpoint.save(tmp_path / "ckpts" / "1", tree)
+    second = jcxl.checkpoint.save(tmp_path / "ckpts" / "2", tree)
+    with open(os.path.join(second, "_METADATA"), "r+b") as f:
+      f.truncate(10)
+    assert jcxl.checkpoint.latest(tmp_path / "ckpts") == first
+    with pytest.raises(jcxl.CheckpointCorruptError,
+                       match="_METADATA cannot be read"):
+      jcxl.checkpoint.restore(second, like=tree)
+
+  def test_non_native_byte_order_round_trips(self, pool, tmp_path):
+    values = (np.arange(5) * 1.5).astype(">f4")
+    tree = {"pool": jcxl.place(values, "cxl", pool=pool), "numpy": values}
+    assert tree["pool"].dtype == np.float32
+    path = jcxl.checkpoint.save(tmp_path / "ckpt", tree)
+    got = jcxl.checkpoint.restore(path, like=tree)
+    np.testing.assert_array_equal(np.asarray(jcxl.gather(got["pool"])),
+                                  values)
+    np.testing.assert_array_equal(got["numpy"], values)

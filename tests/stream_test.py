@@ -155,7 +155,8 @@ class StackedTest:
     def body(state, i):
       h, pending_buffer = state
       from jcxl._src.stream import Pending
-      wi = fetch_done(Pending(pending_buffer, None, None))
+      wi = fetch_done(Pending(pending_buffer, None, None,
+                              np.int64(pool._timeout_s * 1000)))
       nxt = fetch_start(pw, jnp.minimum(i + 1, 5), after=h)
       return (jnp.tanh(h @ wi), nxt.buffer), None
 

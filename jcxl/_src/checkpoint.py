@@ -38,9 +38,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from jcxl._src import checkpoint_checksums as checksums
 from jcxl._src import errors
 from jcxl._src import orbax_compat
 from jcxl._src import registry
+from jcxl._src import validation
 from jcxl._src.placement import _check_devices
 from jcxl._src.placement import store_shards
 from jcxl._src.pool import Pool
@@ -55,7 +57,8 @@ logger = logging.getLogger(__name__)
 # What jcxl adds to Orbax's own metadata ('custom_metadata' in _METADATA):
 # the tier each PoolArray was saved from, by Orbax parameter name.
 _METADATA_KEY = "jcxl"
-_FORMAT_VERSION = 1
+# 2: with per-shard checksums (checkpoint_checksums).
+_FORMAT_VERSION = 2
 TMP_SUFFIX = orbax_compat.TMP_DIR_SUFFIX
 
 
@@ -169,25 +172,6 @@ def _nbytes(array: Any) -> int:
       array.dtype).itemsize
 
 
-# Arrays are written in groups of up to max(largest array, _GROUP_BYTES)
-# bytes, each group one transaction: small arrays share a commit (tens of
-# milliseconds each), and no group holds more than the largest array or
-# _GROUP_BYTES in host memory.
-_GROUP_BYTES = 8 << 20
-
-
-def _groups(sizes: Sequence[int]) -> list[list[int]]:
-  limit = max([_GROUP_BYTES, *sizes])
-  groups, size = [[]], 0
-  for i, nbytes in enumerate(sizes):
-    if groups[-1] and size + nbytes > limit:
-      groups.append([])
-      size = 0
-    groups[-1].append(i)
-    size += nbytes
-  return groups
-
-
 class _Handler(ocp.type_handlers.ArrayHandler):
   """Orbax's ArrayHandler, fed a few arrays at a time.
 
@@ -197,9 +181,21 @@ class _Handler(ocp.type_handlers.ArrayHandler):
   ArrayHandler does.
   """
 
-  def __init__(self):
+  def __init__(self, recorder: checksums.Recorder | None = None):
     self._store = orbax_compat.array_metadata_store_instance()
+    self._recorder = recorder
     super().__init__(array_metadata_store=self._store)
+
+  def _host_arrays(self, arrays: Sequence[Any],
+                   infos: Sequence[ocp.type_handlers.ParamInfo]
+                   ) -> list[orbax_compat.HostArray]:
+    """`arrays` in host memory, their checksums recorded."""
+    host = [_host_array(a) for a in arrays]
+    if self._recorder is not None:
+      for array, info in zip(host, infos):
+        for index, data in array.shards:
+          self._recorder.add(info.name, array.global_shape, index, data)
+    return host
 
   async def serialize(self, values: Sequence[Any],
                       infos: Sequence[ocp.type_handlers.ParamInfo],
@@ -210,17 +206,20 @@ class _Handler(ocp.type_handlers.ArrayHandler):
       await info.await_path_creation()
     await orbax_compat.write_shardings([a.sharding for a in arrays], infos)
     metadatas = []
-    for group in _groups([_nbytes(a) for a in arrays]):
+    for group in checksums.groups([_nbytes(a) for a in arrays]):
       # Read from the pool, write, commit, drop: the model is never in
       # host memory at once.
       host = await asyncio.to_thread(
-          lambda group=group: [_host_array(arrays[i]) for i in group])
+          self._host_arrays, [arrays[i] for i in group],
+          [infos[i] for i in group])
       metadatas += await orbax_compat.write_host_arrays(
           host, [infos[i] for i in group], [args[i] for i in group])
       del host
       _release_freed_memory(sum(_nbytes(arrays[i]) for i in group))
     await orbax_compat.write_array_metadatas(self._store, infos[0].parent_dir,
                                              metadatas)
+    if self._recorder is not None:
+      self._recorder.write(infos[0].parent_dir, jax.process_index())
     return []  # everything is committed already
 
   async def deserialize(self, infos: Sequence[ocp.type_handlers.ParamInfo],
@@ -238,7 +237,7 @@ class _Handler(ocp.type_handlers.ArrayHandler):
     stores = await asyncio.gather(*(_open(infos[i]) for i in to_pool))
     made = []
     try:
-      for group in _groups([_nbytes(args[i]) for i in to_pool]):
+      for group in checksums.groups([_nbytes(args[i]) for i in to_pool]):
         # A group's distinct shards are read at once, then stored.
         reads = [_ShardReads(infos[to_pool[g]], args[to_pool[g]],
                              stores[g]) for g in group]
@@ -326,18 +325,44 @@ class _ShardReads:
           "before") from e
 
 
-def _pytree_handler() -> ocp.PyTreeCheckpointHandler:
-  """Orbax's PyTree handler, with jcxl's handler for arrays."""
-  handler = _Handler()
+class _Recorded:
+  """Orbax's handler of numpy arrays and scalars, recording each value's
+  checksum before Orbax writes it (mixed in before the handler)."""
+
+  def __init__(self, recorder: checksums.Recorder | None):
+    super().__init__()
+    self._recorder = recorder
+
+  async def serialize(self, values, infos, args=None):
+    if self._recorder is not None:
+      for value, info in zip(values, infos):
+        self._recorder.add_whole(info.name, value)
+      self._recorder.write(infos[0].parent_dir, jax.process_index())
+    return await super().serialize(values, infos, args)
+
+
+class _NumpyHandler(_Recorded, ocp.type_handlers.NumpyHandler):
+  pass
+
+
+class _ScalarHandler(_Recorded, ocp.type_handlers.ScalarHandler):
+  pass
+
+
+def _pytree_handler(recorder: checksums.Recorder | None = None
+                    ) -> ocp.PyTreeCheckpointHandler:
+  """Orbax's PyTree handler, with jcxl's handler for arrays (and checksums
+  of every array and scalar recorded by `recorder`, when saving)."""
+  handler = _Handler(recorder)
   types = ocp.type_handlers
-  scalar = types.ScalarHandler()
+  scalar = _ScalarHandler(recorder)
   # Uncompressed: weights and optimizer moments barely compress (about 8%
   # with zstd), and zstd holds two more copies of each array while it works.
   return ocp.PyTreeCheckpointHandler(
       use_compression=False,
       type_handler_registry=types.create_type_handler_registry(
           (int, scalar), (float, scalar), (bytes, scalar),
-          (np.number, scalar), (np.ndarray, types.NumpyHandler()),
+          (np.number, scalar), (np.ndarray, _NumpyHandler(recorder)),
           (str, types.StringHandler()), (jax.Array, handler),
           (_PoolLeaf, handler)))
 
@@ -381,6 +406,7 @@ def save(path: str | os.PathLike, tree: Any, *,
     FileExistsError: `path` exists (checkpoints are never overwritten: save
       each one under a new name, e.g. its step).
     ValueError: `tree` has no leaves, or `metadata` uses the key 'jcxl'.
+    TypeError: `metadata` is not JSON-serializable.
     PoolClosedError: a PoolArray's pool was closed.
   """
   path = os.path.abspath(os.fspath(path))
@@ -406,10 +432,16 @@ def save(path: str | os.PathLike, tree: Any, *,
   metadata = dict(metadata or {})
   if _METADATA_KEY in metadata:
     raise ValueError(f"metadata key {_METADATA_KEY!r} is reserved for jcxl")
+  try:  # (Orbax would find out in a background thread, after the arrays)
+    json.dumps(metadata)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"metadata must be a JSON-serializable dict: {e}"
+                    ) from None
   custom = {**metadata,
-            _METADATA_KEY: {"version": _FORMAT_VERSION, "pool_tiers": tiers}}
+            _METADATA_KEY: {"version": _FORMAT_VERSION, "pool_tiers": tiers,
+                            "checksums": checksums.ALGORITHM}}
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  ocp.Checkpointer(_pytree_handler()).save(
+  ocp.Checkpointer(_pytree_handler(checksums.Recorder())).save(
       epath.Path(path), args=ocp.args.PyTreeSave(item,
                                                  custom_metadata=custom))
   logger.info("saved checkpoint %s (%d leaves, %d from the pool)", path,
@@ -433,7 +465,8 @@ def latest(directory: str | os.PathLike) -> str | None:
 
   Newest is the one whose name ends in the largest number (``100``,
   ``step_000100``); unfinished saves (``*.orbax-checkpoint-tmp``) are
-  ignored.
+  ignored, and so are checkpoints whose metadata files cannot be read
+  (logged; the next newest is returned).
 
   Example:
     >>> jcxl.checkpoint.latest("run/ckpt")
@@ -448,7 +481,24 @@ def latest(directory: str | os.PathLike) -> str | None:
     full = os.path.join(directory, name)
     if match and is_complete(full):
       found.append((int(match.group(1)), full))
-  return max(found)[1] if found else None
+  for _, full in sorted(found, reverse=True):
+    problem = _unreadable_metadata(full)
+    if problem is None:
+      return full
+    logger.warning("jcxl: skipping checkpoint %s: %s", full, problem)
+  return None
+
+
+def _unreadable_metadata(path: str) -> str | None:
+  """Why the checkpoint's metadata files cannot be read, or None."""
+  for name in ("_METADATA", "_CHECKPOINT_METADATA"):
+    try:
+      with open(os.path.join(path, name), encoding="utf-8") as f:
+        if not isinstance(json.load(f), dict):
+          return f"{name} does not hold a JSON object"
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+      return f"{name} cannot be read: {e}"
+  return None
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -479,6 +529,11 @@ def _check_checkpoint(path: str) -> str:
         f"{path!r} is not a finished checkpoint (no _METADATA and "
         "_CHECKPOINT_METADATA, or an unfinished save's temporary directory);"
         " restore an earlier one (jcxl.checkpoint.latest)")
+  problem = _unreadable_metadata(path)
+  if problem is not None:
+    raise errors.CheckpointCorruptError(
+        f"checkpoint {path!r} is corrupt: {problem}; restore an earlier one "
+        "(jcxl.checkpoint.latest skips it)")
   return path
 
 
@@ -526,8 +581,8 @@ def _target_from_like(leaf: Any, path: str, tier: Tier | None,
     kind = "pool" if tier is not None else "array"
     return _Target(kind, tuple(leaf.shape), np.dtype(leaf.dtype),
                    getattr(leaf, "sharding", None), tier, path)
-  if isinstance(leaf, np.ndarray):
-    return _Target("numpy", leaf.shape, leaf.dtype)
+  if isinstance(leaf, np.ndarray):  # restored in native byte order
+    return _Target("numpy", leaf.shape, leaf.dtype.newbyteorder("="))
   if isinstance(leaf, (bool, int, float, complex, np.number)):
     return _Target("scalar", (), np.asarray(leaf).dtype,
                    scalar_type=type(leaf))
@@ -584,6 +639,8 @@ def _restore_args(name: str, target: _Target, pool: Pool | None
     if pool is None:
       raise ValueError(f"leaf {name} goes into the pool: pass "
                        "pool=jcxl.Pool(...)")
+    # what the pool can hold, checked before anything is read
+    validation.object_spec(target.shape, target.dtype, what=f"leaf {name}")
     return _ToPool(restore_type=jax.Array, dtype=target.dtype, pool=pool,
                    tier=target.tier, sharding=target.sharding,
                    shape=target.shape, path=target.path, into=target.into)
@@ -641,6 +698,9 @@ def restore(path: str | os.PathLike, like: Any = None, *,
       sharding that fits the devices here.
     PoolExhaustedError: the pool has no room; the leaves restored so far
       are freed, and nothing the pool held before is touched.
+    CheckpointCorruptError: a checksum does not match, or data or metadata
+      cannot be read (the message names the array and the file); raised
+      before anything is restored.
   """
   if tier is not None:
     tier = as_tier(tier)
@@ -674,14 +734,27 @@ def restore_into(path: str | os.PathLike, tree: Any) -> Any:
     other leaves restored.
 
   Raises:
-    FileNotFoundError, ValueError: as ``restore``. An error while writing
-      leaves the PoolArrays partly overwritten: restore again.
+    FileNotFoundError, ValueError, CheckpointCorruptError: as ``restore``,
+      before any PoolArray is written: every array's checksum is checked
+      first. An error while writing (a pool failure) leaves the PoolArrays
+      partly overwritten: restore again.
   """
   if any(_is_pool_array(x) for x in jax.tree.leaves(
       tree, is_leaf=_is_pool_array)):
     jax.effects_barrier()  # steps already dispatched still use the objects
   return _restore(path, tree, pool=None, tier=None, sharding=None,
                   in_place=True)
+
+
+def _verify(path: str, saved: dict[tuple, Any]) -> None:
+  """Checks every array and scalar of the checkpoint against its save's
+  checksums (see checkpoint_checksums)."""
+  arrays = {_keystr(p): np.dtype(meta.dtype).itemsize
+            for p, meta in saved.items()
+            if isinstance(meta, (ocp.metadata.ArrayMetadata,
+                                 ocp.metadata.ScalarMetadata))
+            and getattr(meta, "dtype", None) is not None}
+  checksums.verify(path, checksums.load(path), sorted(arrays), arrays)
 
 
 def _restore(path: str | os.PathLike, like: Any, *, pool: Pool | None,
@@ -754,6 +827,8 @@ def _restore(path: str | os.PathLike, like: Any, *, pool: Pool | None,
       target = dataclasses.replace(target, sharding=_saved_sharding(saved[p]))
     _check_leaf(name, target, saved[p])
     args[p] = _restore_args(name, target, pool)
+  if custom.get("checksums"):  # every byte checked before any is written
+    _verify(path, saved)
   restore_args = ocp.tree.from_flat_dict(
       args, target=item if item is not None else metadata.tree)
   restored = ocp.Checkpointer(handler).restore(

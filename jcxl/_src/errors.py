@@ -48,6 +48,16 @@ class PoolMismatchError(JcxlError, ValueError):
   the check in time."""
 
 
+class CheckpointCorruptError(JcxlError, OSError):
+  """A checkpoint's bytes are not what its save wrote.
+
+  An array's checksum does not match, or its data (or the checkpoint's
+  metadata) cannot be read: a file was changed, cut short or deleted. The
+  message names the checkpoint, the array and, where it can tell, the file.
+  Nothing was restored or overwritten.
+  """
+
+
 class InternalError(JcxlError, RuntimeError):
   """A jcxl bug or an unexpected system failure."""
 

@@ -79,6 +79,16 @@ def sub_jaxpr(eqn):
   return None
 
 
+def barrier_eqn(avals):
+  """An ``optimization_barrier`` equation over values of these avals (what
+  JAX's remat lowering puts before a recomputation)."""
+  structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+  closed = jax.make_jaxpr(
+      lambda *xs: jax.lax.optimization_barrier(xs))(*structs)
+  (eqn,) = closed.jaxpr.eqns
+  return eqn
+
+
 def bind(eqn, values, **overrides):
   """Evaluates one equation on concrete (or traced) values."""
   params = dict(eqn.primitive.get_bind_params(eqn.params), **overrides)

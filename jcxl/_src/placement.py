@@ -22,6 +22,7 @@ from jcxl._src import distributed
 from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
+from jcxl._src import validation
 from jcxl._src.pool import Pool
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import PoolArray
@@ -121,7 +122,11 @@ def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
                  shape: tuple[int, ...], dtype: Any, path: str) -> PoolArray:
   """A PoolArray of one new object per local device of `sharding`, each
   holding ``shard_of(device)``. If any put fails, the objects made so far
-  are freed and the error raised: the pool holds what it held before."""
+  are freed and the error raised: the pool holds what it held before.
+
+  A dtype in non-native byte order is stored (and recorded) as its native
+  twin, as ``Pool.put`` does."""
+  shape, dtype, _ = validation.object_spec(shape, dtype, what=f"leaf {path}")
   devices, handle_sharding = device_grid(sharding)
   _check_devices(pool, devices, path)
   if distributed.spans_processes(devices.flat):
@@ -145,10 +150,26 @@ def store_shards(shard_of: Callable[[Any], np.ndarray], *, pool: Pool,
                    local_handles=tuple(local))
 
 
+def is_typed_key(leaf: Any) -> bool:
+  """A typed PRNG key array (``jax.random.key``): kept on the device."""
+  dtype = getattr(leaf, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                     jax.dtypes.prng_key)
+
+
+def as_jax_value(leaf: Any) -> Any:
+  """`leaf` with the dtype ``jnp.asarray`` gives it (a Python int is int32
+  with x64 off), without a copy to the device."""
+  if isinstance(leaf, jax.Array):
+    return leaf
+  value = np.asarray(leaf)
+  return value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+
+
 def to_pool(leaf: Any, tier: Tier, pool: Pool,
             sharding: jax.sharding.Sharding, path: str) -> PoolArray:
   """Stores `leaf` in `pool`, one object per device of `sharding`."""
-  value = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+  value = as_jax_value(leaf)
   index_map = sharding.devices_indices_map(tuple(value.shape))
   shards = {}
   if isinstance(value, jax.Array):
@@ -170,7 +191,13 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
 
   ``device`` and ``pinned_host`` leaves stay ``jax.Array``s (the latter in
   JAX's pinned host memory); ``host``, ``cxl`` and ``nvme`` leaves become
-  ``PoolArray``s, stored one object per device shard.
+  ``PoolArray``s, stored one object per device shard. Every leaf gets the
+  dtype ``jnp.asarray`` would give it (a Python ``0`` is ``int32`` with
+  x64 off). Pool leaves must be numeric (as ``Pool.put``); one in
+  non-native byte order (``'>f4'``) becomes a PoolArray of the native
+  dtype (``float32``), same values. Typed PRNG keys (``jax.random.key``)
+  stay on the device whatever their kind says: they are a few bytes, and a
+  step hands them on as keys.
 
   Example:
     >>> pool = jcxl.Pool(host="256MiB", cxl="1GiB")
@@ -191,6 +218,7 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
   Raises:
     ValueError: an unknown memory kind, no pool for a pool kind, or a
       sharding whose devices are not near the pool's NUMA node.
+    TypeError: a pool leaf's dtype is not numeric (object, string...).
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: isinstance(x, PoolArray))
@@ -203,6 +231,8 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
     raise ValueError("memory kinds 'host', 'cxl' and 'nvme' need a pool: "
                      "pass pool=jcxl.Pool(...)")
   if pool is not None:
+    if not isinstance(pool, Pool):
+      raise TypeError(f"pool must be a jcxl.Pool, but got {pool!r}")
     registry.find_pool(pool.id, what="place()")
   out = []
   placed: list[PoolArray] = []
@@ -216,8 +246,13 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
               f"gather it before placing it as {kind!r}")
         out.append(leaf)
         continue
+      if leaf_sharding is not None and not isinstance(
+          leaf_sharding, jax.sharding.Sharding):
+        raise TypeError(
+            f"sharding for leaf {name} must be a jax.sharding.Sharding (or "
+            f"None: the leaf's own), but got {leaf_sharding!r}")
       leaf_sharding = leaf_sharding or _default_sharding(leaf)
-      if kind == "device":
+      if kind == "device" or is_typed_key(leaf):
         out.append(jax.device_put(leaf, leaf_sharding))
       elif kind == "pinned_host":
         out.append(jax.device_put(

@@ -91,10 +91,13 @@ class Planner:
         if not uses[key] or uses[key][-1] != i:
           uses[key].append(i)
     clusters = []
+    remat = lambda i: getattr(program.nodes[i], "remat", 0)
     for key, idx in uses.items():
       start = prev = idx[0]
       for i in idx[1:]:
-        if i - prev > _CLUSTER_GAP:
+        # A rematerialized block fetches what it recomputes with: keeping
+        # the forward pass's copy would undo remat's saving.
+        if i - prev > _CLUSTER_GAP or remat(i) != remat(prev):
           clusters.append(Cluster(key, start, prev))
           start = i
         prev = i

@@ -33,6 +33,7 @@ from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import swap_dir as swap_dir_lib
 from jcxl._src import topology as topology_lib
+from jcxl._src import validation
 from jcxl._src.units import format_bandwidth
 from jcxl._src.units import format_bytes
 from jcxl._src.units import parse_bandwidth
@@ -87,8 +88,8 @@ class LinkModel:
   def __post_init__(self):
     object.__setattr__(self, "bandwidth",
                        parse_bandwidth(self.bandwidth, name="link bandwidth"))
-    if not self.latency_s >= 0:
-      raise ValueError(f"link latency_s must be >= 0, got {self.latency_s!r}")
+    object.__setattr__(self, "latency_s", validation.as_seconds(
+        self.latency_s, name="link latency_s"))
 
   def __str__(self) -> str:
     return (f"{format_bandwidth(self.bandwidth)}, "
@@ -354,20 +355,11 @@ def _dtype_from_name(name: str) -> np.dtype:
   return np.dtype(name)
 
 
-def _storable(dtype: np.dtype) -> bool:
-  """Numbers and bools, including ml_dtypes' (bfloat16, float8...)."""
-  if dtype.kind in "biufc":
-    return True
-  return dtype.kind == "V" and dtype.fields is None and hasattr(
-      ml_dtypes, dtype.name)
-
-
-def _as_host_array(array: Any) -> np.ndarray:
+def _as_host_array(array: Any, what: str = "array") -> np.ndarray:
+  """`array` as C-contiguous numpy in native byte order (see `put`)."""
   value = np.asarray(array)
-  if not _storable(value.dtype):
-    raise TypeError(
-        f"the pool stores numeric arrays; dtype {value.dtype} cannot be "
-        "stored")
+  validation.object_spec(value.shape, value.dtype, what=what)
+  value = validation.as_native(value)
   # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
   return value if value.flags.c_contiguous else value.copy(order="C")
 
@@ -375,6 +367,22 @@ def _as_host_array(array: Any) -> np.ndarray:
 # Host buffers the pool allocates start on a huge-page boundary: O_DIRECT
 # reads of the nvme tier then land in them without a bounce copy.
 _BUFFER_ALIGNMENT = 2 << 20
+
+
+# More copy threads than this is a mistake, not a configuration.
+_MAX_COPY_THREADS = 1024
+
+
+def _as_handle(handle: Any) -> int:
+  return validation.as_count(handle, name="handle", low=validation.INT32_MIN,
+                             high=validation.INT32_MAX,
+                             what="an int32 pool handle")
+
+
+def _as_priority(priority: Any) -> int:
+  return validation.as_count(priority, name="priority",
+                             low=validation.INT32_MIN,
+                             high=validation.INT32_MAX, what="an int32")
 
 
 def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -390,6 +398,9 @@ def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
 
 def _check_writable(out: np.ndarray) -> None:
   """The copy engine writes `out` in place, byte for byte."""
+  if not isinstance(out, np.ndarray):
+    raise TypeError(f"out must be a numpy array, but got "
+                    f"{type(out).__name__}")
   if not out.flags.c_contiguous or not out.flags.writeable:
     raise ValueError("out must be a writeable C-contiguous array")
 
@@ -474,16 +485,14 @@ class Pool:
     }
     if not any(capacities.values()):
       raise ValueError("a pool needs at least one tier with a capacity > 0")
-    if not isinstance(copy_threads, int) or copy_threads < 1:
-      raise ValueError(f"copy_threads must be an int >= 1, got {copy_threads!r}")
+    copy_threads = validation.as_count(copy_threads, name="copy_threads",
+                                       low=1, high=_MAX_COPY_THREADS)
     chunk = parse_bytes(chunk_bytes, name="chunk_bytes")
     if chunk < 4096:
       raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes!r}")
     if cxl_link is not None and not isinstance(cxl_link, LinkModel):
       raise TypeError(f"cxl_link must be a jcxl.LinkModel, got {cxl_link!r}")
-    if not timeout_s > 0:
-      raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    self._timeout_s = float(timeout_s)
+    self._timeout_s = validation.as_timeout(timeout_s)
     self._frees = 0  # objects freed through `free`; see pool_array.Liveness
     self.topology = topology or topology_lib.discover()
     if node is None:
@@ -590,13 +599,19 @@ class Pool:
 
   def allocate(self, shape: Sequence[int], dtype: Any,
                tier: str | Tier = "cxl") -> int:
-    """Reserves an object of `shape` and `dtype` without writing it."""
+    """Reserves an object of `shape` and `dtype` without writing it.
+
+    A dtype in non-native byte order (``'>f4'`` on x86) is stored as its
+    native twin (``float32``): `get` returns native arrays.
+
+    Raises:
+      TypeError: `dtype` is not numeric (see ``put``), or `shape` is not a
+        sequence of ints.
+      ValueError: a negative dimension, an empty object, or more than
+        2**63 - 1 bytes.
+    """
     tier = as_tier(tier)
-    dtype = np.dtype(dtype)
-    shape = tuple(int(d) for d in shape)
-    if any(d < 0 for d in shape):
-      raise ValueError(f"shape must not have negative sizes, got {shape}")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    shape, dtype, nbytes = validation.object_spec(shape, dtype)
     if nbytes <= 0:
       raise ValueError(f"cannot store an empty object (shape {shape}, "
                        f"{dtype.name}): it has 0 bytes")
@@ -607,8 +622,15 @@ class Pool:
           priority: int = 0) -> int:
     """Stores a copy of `array` in `tier`; returns its handle.
 
+    The pool stores numbers and bools, ml_dtypes' types (bfloat16, float8,
+    int4...) included. An array in non-native byte order (``'>f4'`` on x86)
+    is converted to native order on the way in: `get` returns the same
+    values as a native array (``float32``).
+
     Raises:
       PoolExhaustedError: the tier is full (and spilling is off or also full).
+      TypeError: `array`'s dtype is not numeric (object, structured, string,
+        bytes, datetime), or `priority` is not an int.
       ValueError: `array` is empty or `tier` is unknown.
     """
     host = _as_host_array(array)
@@ -628,10 +650,15 @@ class Pool:
 
   def put_async(self, handle: int, array: Any, *, offset: int = 0,
                 priority: int = 0, chunk_bytes: int = 0) -> Transfer:
-    """Starts writing `array`'s bytes into object `handle` at byte `offset`."""
+    """Starts writing `array`'s bytes into object `handle` at byte `offset`.
+
+    `array` is converted to native byte order first, as in ``put``.
+    """
     host = _as_host_array(array)
-    ticket = self._pool.write(handle, host.ctypes.data, host.nbytes, offset,
-                              priority, chunk_bytes, host)
+    ticket = self._pool.write(
+        _as_handle(handle), host.ctypes.data, host.nbytes,
+        validation.as_count(offset, name="offset"), _as_priority(priority),
+        validation.as_count(chunk_bytes, name="chunk_bytes"), host)
     return Transfer(ticket, host, self._timeout_s)
 
   def get(self, handle: int, out: np.ndarray | None = None, *,
@@ -658,25 +685,29 @@ class Pool:
             f"out has shape {out.shape} and dtype {out.dtype}, but handle "
             f"{handle} holds shape {info.shape} and dtype {info.dtype}")
       _check_writable(out)
-    ticket = self._pool.read(handle, out.ctypes.data, info.nbytes, 0,
-                             priority, chunk_bytes, out)
+    ticket = self._pool.read(
+        handle, out.ctypes.data, info.nbytes, 0, _as_priority(priority),
+        validation.as_count(chunk_bytes, name="chunk_bytes"), out)
     return Transfer(ticket, out, self._timeout_s)
 
   def read_bytes_async(self, handle: int, out: np.ndarray, *, offset: int = 0,
                        priority: int = 0, chunk_bytes: int = 0) -> Transfer:
     """Starts reading `out.nbytes` bytes of the object from byte `offset`."""
     _check_writable(out)
-    ticket = self._pool.read(handle, out.ctypes.data, out.nbytes, offset,
-                             priority, chunk_bytes, out)
+    ticket = self._pool.read(
+        _as_handle(handle), out.ctypes.data, out.nbytes,
+        validation.as_count(offset, name="offset"), _as_priority(priority),
+        validation.as_count(chunk_bytes, name="chunk_bytes"), out)
     return Transfer(ticket, out, self._timeout_s)
 
   def free(self, handle: int) -> None:
     """Frees an object, after its transfers in flight are done."""
+    handle = _as_handle(handle)
     self._frees += 1  # even if it fails: a needless re-check costs little
     self._pool.free(handle, self._timeout_s)
 
   def info(self, handle: int) -> ObjectInfo:
-    raw = self._pool.info(handle)
+    raw = self._pool.info(_as_handle(handle))
     return ObjectInfo(handle=raw.handle, tier=_TIERS_BY_INDEX[raw.tier],
                       node=raw.node, offset=raw.offset, nbytes=raw.bytes,
                       shape=tuple(raw.shape),
@@ -690,7 +721,8 @@ class Pool:
 
     Pages not yet backed by memory report a negative errno (-2, ENOENT).
     """
-    return np.asarray(self._pool.page_nodes(handle), dtype=np.int32)
+    return np.asarray(self._pool.page_nodes(_as_handle(handle)),
+                      dtype=np.int32)
 
   def compact(self) -> None:
     """Moves objects so that no holes remain; handles stay valid."""
@@ -801,6 +833,9 @@ class Pool:
     tier = as_tier(tier)
     if not isinstance(link, LinkModel):
       raise TypeError(f"link must be a jcxl.LinkModel, got {link!r}")
+    if self.closed:
+      raise errors.PoolClosedError(
+          f"pool {self.id} is closed; its links can no longer be set")
     self._pool.set_link(tier.index, link.bandwidth,
                         int(link.latency_s * 1e9))
     self._links[tier] = link

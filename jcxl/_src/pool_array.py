@@ -65,6 +65,19 @@ class PoolArray:
     >>> w
     PoolArray(float32[512,512], cxl (EMULATED ...), pool 1, 1 shard)
 
+  Under ``jax.tree_util`` a PoolArray is a node, not a leaf: its one leaf
+  is its handle array. It has to be: a placed tree is passed through
+  ``jax.jit``, ``lax.scan`` and ``cxl_offload``, which take only arrays as
+  leaves. So ``jax.tree.leaves(placed)`` lists handles; to see the
+  PoolArrays themselves (their ``shape``, ``dtype``, ``size``), say so:
+
+    >>> is_pool = lambda x: isinstance(x, jcxl.PoolArray)
+    >>> sum(x.size for x in jax.tree.leaves(params, is_leaf=is_pool))
+    922752
+    >>> jax.tree.map(lambda x: x.shape, params, is_leaf=is_pool)
+
+  ``jcxl.gather(tree)`` brings the values back as ``jax.Array``s.
+
   Attributes:
     handles: int32 array, one handle per device of `sharding`.
     shape, dtype: of the whole (global) array.

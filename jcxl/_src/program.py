@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import re
 from typing import Any
 
 from jcxl._src import jax_compat
@@ -15,7 +16,12 @@ from jcxl._src import jax_compat
 # step is already differentiated, so custom rules are no longer needed).
 INLINE = frozenset({"jit", "pjit", "closed_call", "core_call",
                     "custom_jvp_call", "custom_vjp_call",
-                    "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+                    "custom_vjp_call_jaxpr"})
+# Rematerialization (jax.checkpoint, nn.remat, nnx.remat), by the names its
+# primitive has had across JAX releases. Inlined as JAX lowers it: the
+# recomputation's inputs pass an optimization barrier, so XLA cannot merge
+# it with the forward pass and keep its activations after all.
+REMAT = frozenset({"remat2", "checkpoint", "remat", "remat_call"})
 
 
 def group_of(path: str) -> str:
@@ -29,6 +35,9 @@ class Node:
   eqn: Any
   ins: list[Any]   # keys or Lit
   outs: list[Any]  # keys
+  # The rematerialized block the node recomputes (its inlined scope), or
+  # 0: a pool-resident value is fetched anew for each block, not kept.
+  remat: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity
@@ -47,30 +56,48 @@ class Program:
     literal = jax_compat.literal_type()
     self._literal = literal
     inputs = [("in", i) for i in range(num_inputs)]
-    self._walk(closed_jaxpr.jaxpr, 0, inputs, list(closed_jaxpr.consts))
+    self._walk(closed_jaxpr.jaxpr, 0, inputs, list(closed_jaxpr.consts), 0)
     self.outputs = [self.resolve(self._atom(0, v))
                     for v in closed_jaxpr.jaxpr.outvars]
 
   def _atom(self, scope, v):
     return Lit(v.val) if isinstance(v, self._literal) else (scope, v)
 
-  def _walk(self, jaxpr, scope, in_atoms, const_values):
+  def _walk(self, jaxpr, scope, in_atoms, const_values, remat):
     for v, value in zip(jaxpr.constvars, const_values):
       self.consts[(scope, v)] = value
     for v, a in zip(jaxpr.invars, in_atoms):
       self.alias[(scope, v)] = a
     for eqn in jaxpr.eqns:
       ins = [self._atom(scope, a) for a in eqn.invars]
-      sub = (jax_compat.sub_jaxpr(eqn)
-             if eqn.primitive.name in INLINE else None)
+      name = eqn.primitive.name
+      sub = (jax_compat.sub_jaxpr(eqn) if name in INLINE | REMAT else None)
       if sub is not None:
         inner, inner_consts = sub
         inner_scope = next(self._scopes)
-        self._walk(inner, inner_scope, ins, inner_consts)
+        inner_remat = remat
+        if name in REMAT:
+          inner_remat = inner_scope
+          if (eqn.params.get("differentiated", True) and
+              eqn.params.get("prevent_cse", True)):
+            ins = self._barrier(ins, inner_scope)
+        self._walk(inner, inner_scope, ins, inner_consts, inner_remat)
         for o, inner_o in zip(eqn.outvars, inner.outvars):
           self.alias[(scope, o)] = self._atom(inner_scope, inner_o)
       else:
-        self.nodes.append(Node(eqn, ins, [(scope, o) for o in eqn.outvars]))
+        self.nodes.append(Node(eqn, ins, [(scope, o) for o in eqn.outvars],
+                               remat))
+
+  def _barrier(self, ins, remat):
+    """`ins` through an optimization barrier (literals as they are)."""
+    values = [a for a in ins if not isinstance(a, Lit)]
+    if not values:
+      return ins
+    eqn = jax_compat.barrier_eqn([a[1].aval for a in values])
+    outs = [(remat, o) for o in eqn.outvars]
+    self.nodes.append(Node(eqn, values, outs, remat))
+    passed = iter(outs)
+    return [a if isinstance(a, Lit) else next(passed) for a in ins]
 
   def resolve(self, atom):
     while not isinstance(atom, Lit) and atom in self.alias:
@@ -80,8 +107,16 @@ class Program:
 
 def layer_of(path: str) -> str:
   """The parameter layer a state leaf belongs to: optimizer-state prefixes
-  (``[0].mu``) dropped, then the module path."""
+  (``[0].mu``) dropped, then the module path.
+
+  An NNX module's attribute path (``.blocks[0].attn.kernel.value``) is
+  read as the dict path its optimizer state has
+  (``['blocks'][0]['attn']['kernel']``), so the two share a layer.
+  """
   cut = path.find("['")
+  if cut < 0 and path.endswith(".value"):  # an NNX Variable's
+    path = re.sub(r"\.([A-Za-z_]\w*)", r"['\1']", path[:-len(".value")])
+    cut = path.find("['")
   return group_of(path[cut:] if cut >= 0 else path)
 
 

@@ -199,11 +199,14 @@ class Plan:
                    f"{[l.name for l in self.layers]}")
 
   def table(self) -> str:
-    rows = [f"{'layer':40s} {'bytes':>12s} {'tier':8s} {'prefetch':>8s} "
+    """One row per layer, its whole name (names often differ only at the
+    end: a block's four attention projections)."""
+    width = max([len("layer")] + [len(l.name) for l in self.layers])
+    rows = [f"{'layer':{width}s} {'bytes':>12s} {'tier':8s} {'prefetch':>8s} "
             f"{'chunk':>10s}"]
     for l in self.layers:
       chunk = format_bytes(l.chunk_bytes) if l.chunk_bytes else "pool"
-      rows.append(f"{l.name[:40]:40s} {format_bytes(l.nbytes):>12s} "
+      rows.append(f"{l.name:{width}s} {format_bytes(l.nbytes):>12s} "
                   f"{','.join(l.tiers):8s} {l.prefetch:8d} {chunk:>10s}")
     return "\n".join(rows)
 
@@ -279,14 +282,15 @@ def parse_schedule(schedule: str | Schedule) -> Schedule:
     return {"sync": FixedSchedule(0), "bucket": BucketSchedule(),
             "dap": DapSchedule()}[schedule]
   kind, _, arg = schedule.partition(":")
-  if kind == "fixed" and re.fullmatch(r"\d+", arg):
+  if kind == "fixed" and re.fullmatch(r"\d{1,9}", arg):
     return FixedSchedule(int(arg))
   if kind == "bucket":
     try:
       elements = float(arg)
     except ValueError:
       elements = -1
-    if elements >= 1 and elements == int(elements):
+    # (inf and nan fail the comparison; 2**63 elements is past any model)
+    if 1 <= elements < 2**63 and elements == int(elements):
       return BucketSchedule(int(elements))
   if kind == "plan" and arg:
     return Plan.load(arg).as_schedule(source=arg)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jcxl._src import errors
 from jcxl._src import registry
+from jcxl._src import validation
 from jcxl._src.pool_array import PoolArray
 
 P = jax.sharding.PartitionSpec
@@ -25,10 +26,12 @@ P = jax.sharding.PartitionSpec
 class Pending:
   """A fetch in flight: pass it to ``fetch_done`` in the same loop body."""
 
-  def __init__(self, buffer: jax.Array, spec: P | None, mesh: Any):
+  def __init__(self, buffer: jax.Array, spec: P | None, mesh: Any,
+               timeout_ms: np.int64):
     self.buffer = buffer
     self.spec = spec
     self.mesh = mesh
+    self.timeout_ms = timeout_ms  # the pool's deadline for the copy
 
 
 def _checked(x: Any, op: str) -> tuple[PoolArray, Any]:
@@ -47,6 +50,15 @@ def _checked(x: Any, op: str) -> tuple[PoolArray, Any]:
           f"{x._what()}: object {handle} holds {info.dtype}{list(info.shape)}"
           f" but the PoolArray expects {x.dtype}{list(x.object_shard_shape)}")
   return x, pool
+
+
+def _copy_args(op: str, priority: Any, chunk_bytes: Any) -> tuple[int, int]:
+  """A copy's priority (int32) and chunk size (int64 >= 0), checked before
+  they become custom-call attributes."""
+  return (validation.as_count(priority, name=f"jcxl.{op} priority",
+                              low=validation.INT32_MIN,
+                              high=validation.INT32_MAX, what="an int32"),
+          validation.as_count(chunk_bytes, name=f"jcxl.{op} chunk_bytes"))
 
 
 def _local_shape(x: PoolArray, stacked: bool) -> tuple[int, ...]:
@@ -75,6 +87,8 @@ def _index(index: Any, x: PoolArray) -> tuple[jax.Array, bool]:
 def _dependency(after: Any) -> jax.Array:
   """The "not before" operand: a value the transfer must wait for."""
   leaves = [jnp.asarray(a) for a in jax.tree_util.tree_leaves(after)]
+  leaves = [jax.random.key_data(a) if jax.dtypes.issubdtype(
+      a.dtype, jax.dtypes.prng_key) else a for a in leaves]  # typed keys
   scalars = [a.reshape(-1)[0].astype(jnp.float32) for a in leaves if a.size]
   if not scalars:
     return jnp.zeros((), jnp.int32)
@@ -177,6 +191,7 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
   """
   registry.register_ffi_targets()
   x, pool = _checked(x, "fetch")
+  priority, chunk_bytes = _copy_args("fetch", priority, chunk_bytes)
   device_attrs = _device_attrs(x, index, pool)
   index, stacked = _index(index, x)
   sharded = isinstance(x.sharding, jax.sharding.NamedSharding)
@@ -186,15 +201,17 @@ def fetch_start(x: PoolArray, index: Any = None, *, after: Any = None,
       pool_id=x.pool_id, stacked=stacked, block_rows=x.block_rows,
       priority=priority, chunk_bytes=chunk_bytes, device_attrs=device_attrs)
   into = () if into is None else (into,)
+  timeout_ms = _timeout_ms(pool)
   if not sharded:
-    return Pending(call(x.handles, index, dep, *into), None, None)
+    return Pending(call(x.handles, index, dep, *into), None, None,
+                   timeout_ms)
   mesh = x.sharding.mesh
   out_spec = _spec(x, stacked)
   buffer = jax.shard_map(
       call, mesh=mesh,
       in_specs=(P(*mesh.axis_names), P(), P()) + (out_spec,) * len(into),
       out_specs=out_spec, check_vma=False)(x.handles, index, dep, *into)
-  return Pending(buffer, out_spec, mesh)
+  return Pending(buffer, out_spec, mesh, timeout_ms)
 
 
 def fetch_done(pending: Pending, *, after: Any = None,
@@ -205,9 +222,11 @@ def fetch_done(pending: Pending, *, after: Any = None,
     pending: the fetch.
     after: a value to wait for before waiting on the copy (the compute the
       copy should overlap), so the scheduler cannot hoist the wait.
-    timeout_s: how long the copy may take.
+    timeout_s: how long the copy may take (default: the pool's
+      ``timeout_s``).
   """
-  timeout_ms = np.int64(int((timeout_s or 60.0) * 1000))
+  timeout_ms = (pending.timeout_ms if timeout_s is None else
+                np.int64(int(timeout_s * 1000)))
   call = functools.partial(_done_call, timeout_ms=timeout_ms)
   dep = _dependency(after)
   if pending.mesh is None:
@@ -218,10 +237,9 @@ def fetch_done(pending: Pending, *, after: Any = None,
 
 
 def _fetch(x, index, after, priority, chunk_bytes):
-  x, pool = _checked(x, "fetch")
+  # fetch_start's Pending carries the pool's deadline to fetch_done.
   return fetch_done(fetch_start(x, index, after=after, priority=priority,
-                                chunk_bytes=chunk_bytes),
-                    timeout_s=pool._timeout_s)
+                                chunk_bytes=chunk_bytes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -318,6 +336,7 @@ def store_start(x: PoolArray, value: jax.Array, index: Any = None, *,
   """Starts writing `value` into PoolArray `x` (or its slice `index`)."""
   registry.register_ffi_targets()
   x, pool = _checked(x, "store")
+  priority, chunk_bytes = _copy_args("store", priority, chunk_bytes)
   device_attrs = _device_attrs(x, index, pool)
   index, stacked = _index(index, x)
   expected = x.shape[1:] if stacked else x.shape

@@ -18,6 +18,7 @@ Everything else in the step is evaluated as traced.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import functools
 import logging
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 
 from jcxl import _jcxl
+from jcxl._src import call_args
 from jcxl._src import compile_ahead
 from jcxl._src import costmodel
 from jcxl._src import jax_compat
@@ -59,6 +61,8 @@ from jcxl._src.stream import store_done
 from jcxl._src.stream import store
 from jcxl._src.stream import store_start
 from jcxl._src.stream import streamed_scan
+from jcxl._src.tree_diff import first_difference
+from jcxl._src.tree_diff import short as short_tree
 from jcxl._src.units import format_bytes
 from jcxl._src.units import parse_bytes
 
@@ -74,6 +78,8 @@ def _is_pinned(x: Any) -> bool:
 
 def _mark(value: jax.Array) -> jax.Array:
   """A scalar that exists once `value` does (a cheap dependency on it)."""
+  if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    value = jax.random.key_data(value)
   return value.reshape(-1)[0] if value.size else jax.numpy.zeros(())
 
 
@@ -303,9 +309,13 @@ class _Pinned:
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
+  fn: Callable[..., Any]  # the traced function: the step, then its arguments
   avals: Any
   pinned: dict[int, _Pinned]
-  targets: dict[int, int]  # output leaf -> state argument leaf
+  # Output leaf -> the state argument leaf it is written into. The traced
+  # function's outputs are the step's, then every argument leaf as the step
+  # left it (an NNX module updated in place): leaf i at num_out + i.
+  targets: dict[int, int]
   out_tree: Any
   out_shardings: list[Any]  # per output leaf: a Sharding, or None
 
@@ -318,6 +328,29 @@ class _Entry(NamedTuple):
   plan: Any
   passed: tuple[int, ...]  # the argument leaves the executable takes
   liveness: Liveness  # that its pool arrays' objects still exist
+
+
+def _with_arguments_after(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn`, also returning its arguments as it left them: a mutable pytree
+  (an NNX module) updated in place shows its new leaves there."""
+  def traced(*args):
+    return fn(*args), args
+  return traced
+
+
+def _is_update(out: Any, arg: Any) -> bool:
+  """Whether output `out` is meant as argument `arg`'s new value: of the
+  same type at the top (a dict sharing a key with it; the same dataclass,
+  module or sequence type), or, for a single array, of the same shape and
+  dtype. An output of another kind (an eval step's metrics) leaves the
+  argument read-only."""
+  if isinstance(arg, jax.ShapeDtypeStruct):
+    return (isinstance(out, jax.ShapeDtypeStruct) and
+            tuple(out.shape) == tuple(arg.shape) and out.dtype == arg.dtype)
+  if isinstance(arg, collections.abc.Mapping):
+    return (isinstance(out, collections.abc.Mapping) and
+            bool(set(out) & set(arg)))
+  return type(out) is type(arg)
 
 
 def _bake_handles(args: tuple[Any, ...]
@@ -398,8 +431,10 @@ class OffloadedStep:
 
   def __init__(self, fn: Callable, device_budget: int | None,
                schedule: schedule_lib.Schedule, in_shardings: Any = None,
-               out_shardings: Any = None):
+               out_shardings: Any = None,
+               params: call_args.Signature | None = None):
     self._fn = fn
+    self._params = params or call_args.Signature(fn)
     self._in_shardings = in_shardings
     self._out_shardings = out_shardings
     self._budget = device_budget
@@ -423,46 +458,113 @@ class OffloadedStep:
     self._identity = object()
     functools.update_wrapper(self, fn)
 
-  def _prepare(self, args: tuple[Any, ...]) -> "_Prepared":
+  def _prepare(self, bound: call_args.BoundCall) -> "_Prepared":
     """What the traced step needs to know about the concrete arguments."""
-    flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
+    args = bound.args
+    with_paths = jax.tree_util.tree_flatten_with_path(
+        args, is_leaf=_is_pool_array)[0]
+    flat = [leaf for _, leaf in with_paths]
+    names = [bound.leaf_name(path) for path, _ in with_paths]
     avals = _avals(args)
-    out_shape = jax.eval_shape(self._fn, *avals)
-    targets = self._state_targets(args, out_shape)
+    fn = _with_arguments_after(bound.fn)
+    closed, (out_shape, after) = jax.make_jaxpr(fn, return_shape=True)(
+        *avals)
+    targets = self._state_targets(bound, out_shape)
     position = {id(leaf): i for i, leaf in enumerate(flat)}
+    targets = {j: position[id(t)] for j, t in targets.items()}
+    num_out = len(jax.tree_util.tree_leaves(out_shape))
+    targets.update(self._updated_in_place(
+        closed.jaxpr, avals, after, num_out, flat, names,
+        set(targets.values())))
+    self._check_aliases(flat, names, set(targets.values()))
     out_shardings = shardings_lib.flat_shardings(
         self._out_shardings, out_shape, "out_shardings")
-    for j, t in targets.items():  # state is written back where it lives
-      shardings_lib.check_state(
-          out_shardings[j], t, t._what() if isinstance(t, PoolArray) else
-          f"pinned_host state (output leaf {j})")
+    for j, i in targets.items():  # state is written back where it lives
+      if j < num_out:
+        t = flat[i]
+        shardings_lib.check_state(
+            out_shardings[j], t, t._what() if isinstance(t, PoolArray) else
+            f"pinned_host state (output leaf {j})")
     return _Prepared(
+        fn=fn,
         avals=avals,
         pinned={i: _Pinned(leaf.sharding) for i, leaf in enumerate(flat)
                 if _is_pinned(leaf)},
-        targets={j: position[id(t)] for j, t in targets.items()},
+        targets=targets,
         out_tree=jax.tree_util.tree_structure(out_shape),
         out_shardings=out_shardings)
 
-  def _place_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The arguments as `in_shardings` lays them out (see jax.jit)."""
+  def _updated_in_place(self, jaxpr: Any, avals: Any, after: Any,
+                        num_out: int, flat: list[Any], names: list[str],
+                        returned: set[int]) -> dict[int, int]:
+    """Output index -> argument leaf, for the pool arrays the step updated
+    in place (an NNX module's, a step returning None) and did not return.
+
+    Raises:
+      TypeError: an in-place update cxl_offload cannot write back.
+    """
+    name = self.__name__
+    if jax.tree_util.tree_structure(after) != jax.tree_util.tree_structure(
+        avals):
+      raise TypeError(
+          f"{name} changes the structure of its arguments in place "
+          f"({first_difference(after, avals)}); return the new value "
+          "instead")
+    outvars = jaxpr.outvars[num_out:]
+    targets = {}
+    for i, (var, invar) in enumerate(zip(outvars, jaxpr.invars)):
+      if var is invar or i in returned:
+        continue
+      if not isinstance(flat[i], PoolArray):
+        raise TypeError(
+            f"{name} updates {names[i]} in place but it is not in the pool, "
+            "so the update cannot be handed back (as with jax.jit); place "
+            "it in the pool, or return the new value: `return model, loss`")
+      targets[num_out + i] = i
+    return targets
+
+  def _check_aliases(self, flat: list[Any], names: list[str],
+                     written: set[int]) -> None:
+    """Refuses one pool object passed as two argument leaves, where either
+    is written: the step writes each back, and the last write would win."""
+    seen: dict[tuple[int, int], int] = {}
+    for i, leaf in enumerate(flat):
+      if not isinstance(leaf, PoolArray) or leaf.pool_id < 0:
+        continue  # not an array, or planned without a pool (no objects)
+      for _, handle in leaf.local_handles:
+        first = seen.setdefault((leaf.pool_id, handle), i)
+        if first != i and (first in written or i in written):
+          raise ValueError(
+              f"{self.__name__} gets the same pool array as {names[first]} "
+              f"and as {names[i]} ({leaf._what()}); each is written back in "
+              "place, so one update would be lost: pass it once, or place a "
+              "copy for the second")
+
+  def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> call_args.BoundCall:
+    """The call bound to the step's signature, laid out as `in_shardings`
+    says (see jax.jit)."""
+    bound = self._params.bind(args, kwargs)
     if self._in_shardings is None:
-      return args
+      return bound
+    positional = bound.args[:-1]
     with_paths = jax.tree_util.tree_flatten_with_path(
-        args, is_leaf=_is_pool_array)[0]
+        positional, is_leaf=_is_pool_array)[0]
     state = {i for i, (_, leaf) in enumerate(with_paths)
              if isinstance(leaf, PoolArray) or _is_pinned(leaf)}
-    return shardings_lib.place_inputs(
-        args, shardings_lib.flat_shardings(self._in_shardings, args,
-                                           "in_shardings"),
+    placed = shardings_lib.place_inputs(
+        positional, shardings_lib.flat_shardings(self._in_shardings,
+                                                 positional, "in_shardings"),
         state, [jax.tree_util.keystr(p) for p, _ in with_paths])
+    return dataclasses.replace(bound,
+                               args=tuple(placed) + (bound.args[-1],))
 
   def _analyze(self, args: tuple[Any, ...], prep: "_Prepared",
                timed: bool = False) -> _Analysis:
     """Traces the step and finds its clusters, stores and timeline
     (`timed`: see ``Planner.timeline``)."""
     flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
-    closed = jax.make_jaxpr(self._fn)(*prep.avals)
+    closed = jax.make_jaxpr(prep.fn)(*prep.avals)
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(
                  args, is_leaf=_is_pool_array)[0]]
@@ -480,13 +582,14 @@ class OffloadedStep:
         else None for j in range(len(program.outputs))]
     reorder_by_layer(program, output_layers, set(resident))
     stores, returned = {}, []
+    num_out = prep.out_tree.num_leaves
     for j, key in enumerate(program.outputs):
       old = ("in", prep.targets[j]) if j in prep.targets else None
       target = resident.get(old)
       if isinstance(target, PoolArray):
         if key != old:  # unchanged state: nothing to write
           stores[key] = target
-      else:
+      elif j < num_out:  # the arguments as left: written, never returned
         returned.append((j, key, target))
     for key in slice_state_updates(program, resident, stores):
       del stores[key]  # the sliced loop stores these, layer by layer
@@ -539,13 +642,16 @@ class OffloadedStep:
       self._plan = plan
     return out
 
-  def _state_targets(self, args: tuple[Any, ...], out_shape: Any
+  def _state_targets(self, bound: call_args.BoundCall, out_shape: Any
                      ) -> dict[int, Any]:
     """Output leaf index -> the pool-resident (or pinned) input it updates.
 
-    Argument ``a`` holding pool-resident or pinned leaves is state: output
-    ``a`` must have the same tree structure, and is written back into it.
+    Positional argument ``a`` holding pool-resident or pinned leaves is
+    state: an output ``a`` of its kind (see ``_is_update``) must have the
+    same tree structure, and is written back into it; an output of another
+    kind (or none) leaves it read-only.
     """
+    args = bound.args[:bound.num_positional]
     name = getattr(self._fn, "__name__", "the step")
     for path, leaf in jax.tree_util.tree_flatten_with_path(
         out_shape, is_leaf=_is_pool_array)[0]:
@@ -563,13 +669,18 @@ class OffloadedStep:
       arg = args[a] if a < len(args) else None
       arg_leaves = jax.tree_util.tree_leaves(arg, is_leaf=_is_pool_array)
       if any(isinstance(l, PoolArray) or _is_pinned(l) for l in arg_leaves):
-        in_def = jax.tree_util.tree_structure(_avals(arg))
+        arg_avals = _avals(arg)
+        if not _is_update(out, arg_avals):
+          offset += len(out_leaves)
+          continue  # read-only state: the output is returned as it is
+        in_def = jax.tree_util.tree_structure(arg_avals)
         if out_def != in_def:
           raise ValueError(
-              f"{name} takes pool-resident state as argument {a} but returns "
-              f"output {a} with a different tree structure ({out_def} vs "
-              f"{in_def}); cxl_offload writes output {a} back into argument "
-              f"{a}'s objects, so its structure must stay the same")
+              f"{name}: output {a} differs from argument {a} "
+              f"({bound.names[a]}) {first_difference(out, arg_avals)}. "
+              f"cxl_offload writes output {a} back into argument {a}'s pool "
+              "objects, so it must keep the argument's structure (output: "
+              f"{short_tree(out_def)}; argument: {short_tree(in_def)})")
         for j, (leaf_in, leaf_out) in enumerate(zip(arg_leaves, out_leaves)):
           if isinstance(leaf_in, PoolArray) and (
               tuple(leaf_out.shape) != leaf_in.shape or
@@ -634,8 +745,11 @@ class OffloadedStep:
     return dataclasses.replace(plan, predicted_step_s=tuner.prediction.step_s,
                                reasons=tuner.reasons)
 
-  def _signature(self, args: tuple[Any, ...]) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_pool_array)
+  def _signature(self, bound: call_args.BoundCall) -> Any:
+    """What a compiled step is specific to: the arguments' structure,
+    shapes, dtypes and layouts, and the static arguments' values."""
+    leaves, treedef = jax.tree_util.tree_flatten(bound.args,
+                                                 is_leaf=_is_pool_array)
     parts = []
     for leaf in leaves:
       if isinstance(leaf, PoolArray):
@@ -643,41 +757,48 @@ class OffloadedStep:
       else:
         parts.append((tuple(np.shape(leaf)), str(getattr(leaf, "dtype", "")),
                       getattr(leaf, "sharding", None)))
-    return treedef, tuple(parts)
+    return treedef, tuple(parts), bound.static_key
 
-  def lower(self, *args):
+  def lower(self, *args, **kwargs):
     """Lowers the rewritten step for these arguments (see jax.jit). Its
     pool arrays' handles are constants in it where this process holds
     them all."""
-    args = self._place_inputs(args)
-    return self._lower(args, self._prepare(args), _bake_handles(args))
+    bound = self._bind(args, kwargs)
+    return self._lower(bound, self._prepare(bound),
+                       _bake_handles(bound.args))
 
-  def _lower(self, args: tuple[Any, ...], prep: _Prepared,
+  def _lower(self, bound: call_args.BoundCall, prep: _Prepared,
              baking: tuple[tuple[int, ...], Callable],
              ahead: schedule_lib.LayerSchedule | None = None) -> Any:
     passed, rebuild = baking
-    flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
-    return jax.jit(lambda *a: self._run(rebuild(*a), prep, ahead)).lower(
-        *(flat[i] for i in passed))
+    with_paths = jax.tree_util.tree_flatten_with_path(
+        bound.args, is_leaf=_is_pool_array)[0]
+    donate = tuple(k for k, i in enumerate(passed)
+                   if bound.is_donated(with_paths[i][0]) and
+                   not isinstance(with_paths[i][1], PoolArray))
+    return jax.jit(lambda *a: self._run(rebuild(*a), prep, ahead),
+                   donate_argnums=donate).lower(
+                       *(with_paths[i][1] for i in passed))
 
-  def _compile_plan(self, args: tuple[Any, ...],
+  def _compile_plan(self, bound: call_args.BoundCall,
                     schedule: schedule_lib.LayerSchedule) -> tuple[Any, int]:
     """The step compiled with DAP plan `schedule`, and its device need (on
     the compiling thread: see compile_ahead)."""
-    prep, baking = self._prepare(args), _bake_handles(args)
-    compiled = self._lower(args, prep, baking, schedule).compile()
-    return (self._make_entry(args, prep, baking, compiled,
+    prep, baking = self._prepare(bound), _bake_handles(bound.args)
+    compiled = self._lower(bound, prep, baking, schedule).compile()
+    return (self._make_entry(bound.args, prep, baking, compiled,
                              self._ahead_plans.pop(schedule)),
             device_need(compiled.memory_analysis()))
 
-  def _compile(self, args: tuple[Any, ...]) -> _Entry:
+  def _compile(self, bound: call_args.BoundCall) -> _Entry:
+    args = bound.args
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     # A closed pool or a freed array, named, before tracing.
     Liveness([x for x in flat_args if isinstance(x, PoolArray)]).check()
-    prep = self._prepare(args)
+    prep = self._prepare(bound)
     baking = _bake_handles(args)  # once: it reads every handle back
     started = time.perf_counter()
-    compiled = self._lower(args, prep, baking).compile()
+    compiled = self._lower(bound, prep, baking).compile()
     self.compiles += 1
     if self.tuner:
       self.tuner.add_compile(time.perf_counter() - started)
@@ -687,10 +808,10 @@ class OffloadedStep:
     # compiled already.
     while self.tuner and self.tuner.calibrate(
         device_need(compiled.memory_analysis())):
-      if self._cache_key(args) in self._compiled:
-        return self._compiled[self._cache_key(args)]
+      if self._cache_key(bound) in self._compiled:
+        return self._compiled[self._cache_key(bound)]
       started = time.perf_counter()
-      compiled = self._lower(args, prep, baking).compile()
+      compiled = self._lower(bound, prep, baking).compile()
       self.compiles += 1
       self.tuner.add_compile(time.perf_counter() - started)
     self._check_budget(compiled)
@@ -709,11 +830,12 @@ class OffloadedStep:
                   Liveness([x for x in flat_args
                             if isinstance(x, PoolArray)]))
 
-  def _cache_key(self, args: tuple[Any, ...], signature: Any = None) -> Any:
-    return (signature or self._signature(args),
+  def _cache_key(self, bound: call_args.BoundCall,
+                 signature: Any = None) -> Any:
+    return (signature or self._signature(bound),
             self.tuner.version if self.tuner else 0)
 
-  def compile(self, *args) -> Any:
+  def compile(self, *args, **kwargs) -> Any:
     """Compiles the step for these arguments without running it (or takes
     it from the cache) and returns the compiled executable.
 
@@ -721,32 +843,34 @@ class OffloadedStep:
       MemoryError: it needs more than `device_budget` (after a DAP plan has
         been re-planned within it).
     """
-    return self._entry(self._place_inputs(args)).executable
+    return self._entry(self._bind(args, kwargs)).executable
 
-  def _entry(self, args: tuple[Any, ...], signature: Any = None) -> _Entry:
+  def _entry(self, bound: call_args.BoundCall,
+             signature: Any = None) -> _Entry:
     # The key once a call: it flattens every argument (1.5 ms a call for
     # 91 pool arrays here).
-    entry = self._compiled.get(self._cache_key(args, signature))
+    entry = self._compiled.get(self._cache_key(bound, signature))
     if entry is None:
-      entry = self._compile(args)
+      entry = self._compile(bound)
       # Keyed after compiling: a DAP budget re-plan moves the plan on.
-      self._compiled[self._cache_key(args)] = entry
+      self._compiled[self._cache_key(bound)] = entry
     else:
       # Its handles are constants in it: the step would fail on a freed
       # one by number, or the pool's closing, at run time.
       entry.liveness.check()
     return entry
 
-  def __call__(self, *args):
-    return self._call(args, measure=False)
+  def __call__(self, *args, **kwargs):
+    return self._call(self._bind(args, kwargs), measure=False)
 
-  def measured_call(self, *args) -> tuple[Any, profile_lib.StepProfile]:
+  def measured_call(self, *args, **kwargs
+                    ) -> tuple[Any, profile_lib.StepProfile]:
     """Runs one step measured, whatever the schedule: its results, and
     what it did (each segment's compute, its waits; see StepProfile)."""
-    results = self._call(args, measure=True)
+    results = self._call(self._bind(args, kwargs), measure=True)
     return results, self.last_profile
 
-  def _tuned_entry(self, args: tuple[Any, ...], signature: Any
+  def _tuned_entry(self, bound: call_args.BoundCall, signature: Any
                    ) -> tuple[_Entry, list]:
     """Under DAP, the entry this call runs: the tuner's plan where it is
     compiled, else the one that ran last while it compiles (see
@@ -756,18 +880,18 @@ class OffloadedStep:
       self._compiled[(compiled_for, self.tuner.version_of(schedule))] = entry
     if self._ran is not None and self._ran[0] == signature:
       missing = self._ahead.missing(
-          signature, args,
+          signature, bound,
           lambda s: (signature, self.tuner.version_of(s)) in self._compiled)
       if missing:
         self._ran[1].liveness.check()
         return self._ran[1], missing
-    return self._entry(args, signature), []  # the first call compiles here
+    return self._entry(bound, signature), []  # the first call compiles here
 
-  def _call(self, args: tuple[Any, ...], measure: bool) -> Any:
-    args = self._place_inputs(args)
-    signature = self._signature(args) if self.tuner else None
-    entry, compiling = (self._tuned_entry(args, signature) if self.tuner
-                        else (self._entry(args), []))
+  def _call(self, bound: call_args.BoundCall, measure: bool) -> Any:
+    args = bound.args
+    signature = self._signature(bound) if self.tuner else None
+    entry, compiling = (self._tuned_entry(bound, signature) if self.tuner
+                        else (self._entry(bound), []))
     self._plan = entry.plan
     flat_args = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     after_other = OffloadedStep._ran_last not in (None, self._identity)
@@ -798,7 +922,7 @@ class OffloadedStep:
       self.tuner.step_done(self.last_profile if wanted else None)
       # `plan` is the one the next step runs, when it is compiled already
       # (a race moving on, or settling on the plan it keeps).
-      following = (self._compiled.get(self._cache_key(args, signature))
+      following = (self._compiled.get(self._cache_key(bound, signature))
                    if self.tuner.version != version else None)
       if following is not None:
         self._plan = following.plan
@@ -823,14 +947,15 @@ class OffloadedStep:
           f"(schedule='fixed:k', now '{self._schedule}'), a smaller batch, "
           "or jax.checkpoint (remat) on the layers would help")
 
-  def device_need(self, *args) -> int:
+  def device_need(self, *args, **kwargs) -> int:
     """Device bytes the compiled step needs for these arguments."""
-    return device_need(self.memory_analysis(*args))
+    return device_need(self.memory_analysis(*args, **kwargs))
 
-  def memory_analysis(self, *args) -> Any:
+  def memory_analysis(self, *args, **kwargs) -> Any:
     """The compiled step's ``memory_analysis()`` for these arguments."""
-    entry = self._compiled.get(self._cache_key(self._place_inputs(args)))
-    compiled = entry.executable if entry else self.lower(*args).compile()
+    entry = self._compiled.get(self._cache_key(self._bind(args, kwargs)))
+    compiled = (entry.executable if entry else
+                self.lower(*args, **kwargs).compile())
     return compiled.memory_analysis()
 
   def _collect(self) -> list[profile_lib.Wait]:
@@ -916,21 +1041,29 @@ def step_timeline(fn: Callable, state: tuple[Any, ...], *rest: Any,
   args = tuple(jax.tree_util.tree_map_with_path(virtual, tree)
                for tree in state) + rest
   step = OffloadedStep(fn, None, schedule_lib.FixedSchedule(0))
-  return (step._analyze(args, step._prepare(args), timed).segments,
+  bound = step._bind(args, {})
+  return (step._analyze(bound.args, step._prepare(bound), timed).segments,
           dict(layer_bytes))
 
 
 def cxl_offload(fn: Callable | None = None, *,
                 device_budget: int | str | None = None,
                 schedule: str = "fixed:1", in_shardings: Any = None,
-                out_shardings: Any = None) -> Any:
+                out_shardings: Any = None, static_argnums: Any = None,
+                static_argnames: Any = None, donate_argnums: Any = None,
+                donate_argnames: Any = None) -> Any:
   """Rewrites a step so that its pool-resident state streams from the pool.
 
   Arguments holding ``PoolArray`` leaves (placed with ``jcxl.place``) are
-  state: the step's output at the same position must have the same tree
-  structure, and is written back into the same pool objects (in place).
-  ``pinned_host`` leaves move with JAX's own memory-kind transfers; other
-  leaves are passed as they are.
+  state. Where the step returns, at the same position, a value of the same
+  kind (the same dict keys, dataclass or module; for a single array, the
+  same shape and dtype), that value must have the argument's tree
+  structure and is written back into the same pool objects (in place). A
+  state argument the step returns nothing of that kind for is read-only
+  (an eval step returning metrics). Pool-resident leaves a step updates in
+  place (an NNX module, with the step returning None) are written back
+  too. ``pinned_host`` leaves move with JAX's own memory-kind transfers;
+  other leaves are passed as they are.
 
   Example:
     >>> params = jcxl.place(params, "cxl", pool=pool)
@@ -958,6 +1091,11 @@ def cxl_offload(fn: Callable | None = None, *,
       already be laid out so. Returned values are laid out as
       `out_shardings` says. Pool-resident state keeps the sharding it was
       placed with: one given for it must match.
+    static_argnums, static_argnames, donate_argnums, donate_argnames: as
+      ``jax.jit``'s. Static arguments must be hashable; each new value
+      compiles the step anew. Donated device arrays are consumed by the
+      call; pool-resident state is updated in place either way. Keyword
+      arguments are accepted as ``jax.jit`` accepts them.
 
   Returns:
     The rewritten step; ``step.plan`` is the per-layer plan it compiled
@@ -979,6 +1117,11 @@ def cxl_offload(fn: Callable | None = None, *,
   parsed = schedule_lib.parse_schedule(schedule)
 
   def wrap(f):
-    return OffloadedStep(f, budget, parsed, in_shardings, out_shardings)
+    if not callable(f):
+      raise TypeError(f"cxl_offload decorates a function, but got {f!r}")
+    return OffloadedStep(f, budget, parsed, in_shardings, out_shardings,
+                         call_args.Signature(f, static_argnums,
+                                             static_argnames, donate_argnums,
+                                             donate_argnames))
 
   return wrap if fn is None else wrap(fn)

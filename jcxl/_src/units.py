@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import fractions
+import math
+import numbers
 import re
+
+# The largest byte count jcxl accepts: the C++ core counts bytes in int64.
+MAX_BYTES = 2**63 - 1
 
 _UNITS = {
     "": 1,
@@ -22,26 +28,40 @@ _PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 def parse_bytes(value: int | float | str, *, name: str = "size") -> int:
   """Returns a byte count from an int or a string such as '512MiB' or '2GB'.
 
+  A fractional count is rounded down ('1.5KiB' is 1536), but one that would
+  round to 0 is refused, as are nan, inf and counts past 2**63 - 1.
+
   Raises:
-    ValueError: naming `name` if the value is negative or not understood.
+    TypeError: naming `name` if the value is not a number or a string.
+    ValueError: naming `name` if the value is negative, not finite, too
+      large, below one byte, or not understood.
   """
-  if isinstance(value, bool):
-    raise TypeError(f"{name} must be a byte count, but got {value!r}")
-  if isinstance(value, (int, float)):
-    number = float(value)
-  elif isinstance(value, str):
+  if isinstance(value, bool) or not isinstance(value,
+                                               (numbers.Real, str)):
+    raise TypeError(f"{name} must be a byte count such as 1024, '512MiB' or "
+                    f"'2GB', but got {value!r} ({type(value).__name__})")
+  if isinstance(value, str):
     match = _PATTERN.match(value)
     unit = match.group(2).upper() if match else None
     if not match or unit not in _UNITS:
       raise ValueError(
           f"{name} must be a byte count such as 1024, '512MiB' or '2GB', "
           f"but got {value!r}")
-    number = float(match.group(1)) * _UNITS[unit]
+    number = fractions.Fraction(match.group(1)) * _UNITS[unit]
+  elif isinstance(value, numbers.Integral):
+    number = fractions.Fraction(int(value))
+  elif math.isfinite(value):
+    number = fractions.Fraction(float(value))
   else:
-    raise TypeError(f"{name} must be an int or a string such as '2GiB', "
-                    f"but got {type(value).__name__}")
+    raise ValueError(f"{name} must be a finite byte count, but got {value!r}")
   if number < 0:
     raise ValueError(f"{name} must not be negative, but got {value!r}")
+  if number > MAX_BYTES:
+    raise ValueError(f"{name} must be at most {MAX_BYTES} bytes (2**63 - 1),"
+                     f" but got {value!r}")
+  if 0 < number < 1:
+    raise ValueError(f"{name} must be 0 or at least 1 byte, but got "
+                     f"{value!r}")
   return int(number)
 
 
