@@ -21,6 +21,8 @@
 #include "pool.h"
 #include "stream_handlers.h"
 #ifdef JCXL_WITH_CUDA
+#include <nanobind/stl/map.h>
+
 #include "cuda/cuda_handlers.h"
 #endif
 
@@ -480,6 +482,11 @@ NB_MODULE(_jcxl, m) {
                      {"jcxl_store_done", cuda::kCudaStoreDone}});
   });
   m.def("cuda_device_count", &cuda::DeviceCount);
+  m.def("cuda_flush", &cuda::Flush,
+        "Waits until every CUDA transfer so far is logged for the profiler.");
+  m.def("cuda_counters", &cuda::Counters,
+        "The CUDA transfers' paths so far (direct, direct_after_index, "
+        "staged, staged_lock_failed, ...) and bounce-buffer reuse.");
   m.def(
       "cuda_memcpy_bandwidth",
       [](int ordinal, uint64_t bytes, bool to_device, int repeats) {

@@ -342,7 +342,17 @@ Status Pool::WaitUnpinned(std::unique_lock<std::mutex>& lock,
 
 void Pool::ReleaseTop(TierArena& arena, uint64_t old_top) {
   const uint64_t top = arena.allocator->extents().top();
-  if (top < old_top) arena.arena->Release(top, old_top - top);
+  if (top >= old_top) return;
+  char* base = arena.arena->base();
+  if (base == nullptr) {
+    arena.arena->Release(top, old_top - top);
+    return;
+  }
+  // Pages a DMA engine has locked stay: it would keep targeting them.
+  page_locks_.ReleaseUnlocked(
+      base + top, old_top - top, [&](char* address, uint64_t bytes) {
+        arena.arena->Release(address - base, bytes);
+      });
 }
 
 Status Pool::Free(int32_t handle, int64_t timeout_ns) {
@@ -462,6 +472,8 @@ StatusOr<DirectRange> Pool::BeginDirect(int32_t handle, uint64_t bytes,
   range.bytes = bytes;
   range.handle = handle;
   range.direction = direction;
+  range.region_base = arena.arena->base();
+  range.region_bytes = arena.arena->mapped_bytes();
   ++object->pins;
   ++total_pins_;
   ++direct_pins_;
@@ -727,7 +739,8 @@ Status Pool::Close(int64_t timeout_ns) {
   engine.reset();  // joins the workers; queued transfers fail as kClosed
   std::vector<std::function<void()>> on_close;
   on_close.swap(on_close_);
-  for (auto& fn : on_close) fn();  // e.g. unregister arenas from a GPU
+  for (auto& fn : on_close) fn();
+  page_locks_.UnlockAll();  // before the arenas are unmapped
   lock.lock();
   for (Tier& tier : tiers_) {
     for (TierArena& arena : tier.arenas) {

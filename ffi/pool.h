@@ -27,6 +27,7 @@
 #include "arena.h"
 #include "copy_engine.h"
 #include "link_model.h"
+#include "page_locks.h"
 #include "status.h"
 
 namespace jcxl {
@@ -73,6 +74,9 @@ struct DirectRange {
   uint64_t bytes = 0;
   int32_t handle = 0;
   Direction direction = Direction::kFromPool;
+  // The memory arena's mapping the bytes lie in (for PageLocks).
+  char* region_base = nullptr;
+  uint64_t region_bytes = 0;
 };
 
 // A memory arena's mapping, for a DMA engine to page-lock once.
@@ -137,6 +141,11 @@ class Pool {
   StatusOr<DirectRange> BeginDirect(int32_t handle, uint64_t bytes,
                                     uint64_t offset, Direction direction);
   void EndDirect(const DirectRange& range);
+  // Page-locking for a DMA engine outside the pool (see page_locks.h): the
+  // engine installs its locker and locks what its direct transfers touch;
+  // freed pages in a locked chunk are never given back to the system, and
+  // Close() unlocks every chunk before it unmaps the arenas.
+  PageLocks& page_locks() { return page_locks_; }
   // Every memory arena's mapping (what BeginDirect addresses lie in).
   std::vector<MemoryRegion> MemoryRegions();
   // Runs `fn` in Close(), after the transfers in flight and before the
@@ -239,6 +248,7 @@ class Pool {
   std::unordered_map<uint32_t, Object> objects_;
   std::unique_ptr<CopyEngine> engine_;
   std::vector<std::function<void()>> on_close_;
+  PageLocks page_locks_;
 };
 
 }  // namespace jcxl

@@ -102,6 +102,12 @@ void LogWait(const std::shared_ptr<Ticket>& ticket, int64_t started,
   wait.record = ticket->record();
   wait.wait_started_ns = started;
   wait.wait_ns = ended - started;
+  LogStreamWait(wait);
+}
+
+}  // namespace
+
+void LogStreamWait(const StreamWait& wait) {
   std::lock_guard<std::mutex> lock(g_waits_mu);
   WaitTotals& totals = Totals()[wait.record.handle];
   (wait.record.direction == Direction::kToPool ? totals.bytes_to_pool
@@ -111,6 +117,8 @@ void LogWait(const std::shared_ptr<Ticket>& ticket, int64_t started,
   ++totals.transfers;
   if (Waits().size() < kMaxWaits) Waits().push_back(wait);
 }
+
+namespace {
 
 ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
   std::shared_ptr<Ticket> ticket = InFlight::Get().Take(address);

@@ -33,6 +33,10 @@ struct StreamWait {
   int64_t wait_ns = 0;  // time the step spent blocked in `done`
 };
 
+// Logs one `done` wait (the CUDA handlers log theirs here too, so that the
+// profiler and report() see every platform's transfers).
+void LogStreamWait(const StreamWait& wait);
+
 // The `done` waits since the last call (bounded history), oldest first.
 std::vector<StreamWait> DrainStreamWaits();
 

@@ -29,6 +29,7 @@ from jcxl._src.schedule import Plan as Plan
 from jcxl._src.stream import fetch as fetch
 from jcxl._src.stream import layer_scan as layer_scan
 from jcxl._src.stream import store as store
+from jcxl._src.stream import streamed_scan as streamed_scan
 from jcxl._src.transform import LayerReport as LayerReport
 from jcxl._src.transform import OffloadedStep as OffloadedStep
 from jcxl._src.transform import cxl_offload as cxl_offload
@@ -63,6 +64,7 @@ __all__ = [
     "fetch",
     "layer_scan",
     "store",
+    "streamed_scan",
     # Offloaded steps and what they report.
     "LayerPlan",
     "LayerProfile",

@@ -3,18 +3,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "device_transfers.h"
 #include "pool.h"
 #include "stream_common.h"
+#include "stream_handlers.h"
 
 namespace jcxl::cuda {
 namespace {
@@ -41,234 +40,200 @@ ffi::Error CudaFail(const char* handler, const char* what, cudaError_t error) {
     }                                                  \
   } while (0)
 
-// Per device, one copy stream per direction: fetches, stores and compute
-// all overlap (a GPU has a copy engine each way).
-struct Streams {
-  cudaStream_t to_device = nullptr;
-  cudaStream_t from_device = nullptr;
+DeviceEvent ToHandle(cudaEvent_t event) {
+  return reinterpret_cast<DeviceEvent>(event);
+}
+cudaEvent_t ToEvent(DeviceEvent event) {
+  return reinterpret_cast<cudaEvent_t>(event);
+}
+
+Status CudaStatus(const char* what, cudaError_t error) {
+  if (error == cudaSuccess) return Status::Ok();
+  return Status(Code::kInternal, std::string(what) + ": " +
+                                     cudaGetErrorString(error));
+}
+
+// Page-locks chunks of a pool's arenas (portable: every device's DMA may
+// use them).
+class CudaLocker : public PageLocker {
+ public:
+  Status Lock(char* address, uint64_t bytes) override {
+    cudaError_t error =
+        cudaHostRegister(address, bytes, cudaHostRegisterPortable);
+    if (error == cudaErrorHostMemoryAlreadyRegistered) {
+      cudaGetLastError();  // clears it: the chunk is usable as it is
+      return Status::Ok();
+    }
+    if (error != cudaSuccess) cudaGetLastError();
+    return CudaStatus(("cudaHostRegister of " + FormatBytes(bytes)).c_str(),
+                      error);
+  }
+  void Unlock(char* address, uint64_t) override {
+    cudaHostUnregister(address);
+  }
 };
 
-ffi::ErrorOr<Streams> StreamsFor(const char* handler, int ordinal) {
-  static std::mutex mu;
-  static auto* by_device = new std::map<int, Streams>();
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = by_device->find(ordinal);
-  if (it != by_device->end()) return it->second;
-  Streams streams;
-  cudaError_t error =
-      cudaStreamCreateWithFlags(&streams.to_device, cudaStreamNonBlocking);
-  if (error == cudaSuccess) {
-    error = cudaStreamCreateWithFlags(&streams.from_device,
-                                      cudaStreamNonBlocking);
-  }
-  if (error != cudaSuccess) {
-    return ffi::Unexpected<ffi::Error>(
-        CudaFail(handler, "creating the copy streams", error));
-  }
-  by_device->emplace(ordinal, streams);
-  return streams;
-}
-
-std::mutex g_registered_mu;
-std::unordered_set<int32_t>& Registered() {
-  static auto* pools = new std::unordered_set<int32_t>();
-  return *pools;
-}
-
-// Page-locks a pool's memory arenas (once per pool), so that the DMA reads
-// and writes them directly; they are unregistered when the pool closes,
-// before it unmaps them.
-Status EnsureRegistered(Pool& pool) {
-  std::lock_guard<std::mutex> lock(g_registered_mu);
-  if (Registered().count(pool.id())) return Status::Ok();
-  std::vector<char*> done;
-  for (const MemoryRegion& region : pool.MemoryRegions()) {
-    cudaError_t error = cudaHostRegister(region.base, region.bytes,
-                                         cudaHostRegisterPortable);
-    if (error != cudaSuccess &&
-        error != cudaErrorHostMemoryAlreadyRegistered) {
-      for (char* base : done) cudaHostUnregister(base);
-      return Status(Code::kInternal,
-                    "cudaHostRegister of " + std::to_string(region.bytes) +
-                        " bytes of pool " + std::to_string(pool.id()) +
-                        " memory: " + cudaGetErrorString(error));
-    }
-    if (error == cudaSuccess) done.push_back(region.base);
-  }
-  const int32_t id = pool.id();
-  pool.OnClose([done, id] {
-    for (char* base : done) cudaHostUnregister(base);
-    std::lock_guard<std::mutex> lock(g_registered_mu);
-    Registered().erase(id);
-  });
-  Registered().insert(id);
-  return Status::Ok();
-}
-
-// Page-locked bounce buffers for staged transfers, reused by size. A host
-// function (which may not call CUDA) gives a buffer back; buffers beyond
-// the cache's cap are freed on the next Acquire.
-class Bounce {
+// One device's copy streams (one each way: fetches, stores and compute all
+// overlap) and a pool of timing events, reused so that no event is created
+// or destroyed on the launch path once warm.
+class CudaDevice : public DeviceOps {
  public:
-  static Bounce& Get() {
-    static auto* bounce = new Bounce();
-    return *bounce;
-  }
-  StatusOr<void*> Acquire(uint64_t bytes) {
-    std::vector<void*> excess;
-    void* found = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      excess.swap(to_free_);
-      auto it = free_.find(bytes);
-      if (it != free_.end()) {
-        found = it->second;
-        cached_bytes_ -= bytes;
-        free_.erase(it);
-      }
+  static StatusOr<std::unique_ptr<CudaDevice>> Create(int ordinal) {
+    std::unique_ptr<CudaDevice> device(new CudaDevice(ordinal));
+    JCXL_RETURN_IF_ERROR(CudaStatus("cudaSetDevice", cudaSetDevice(ordinal)));
+    for (cudaStream_t* stream : {&device->to_device_, &device->from_device_}) {
+      JCXL_RETURN_IF_ERROR(CudaStatus(
+          "creating a copy stream",
+          cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking)));
     }
-    for (void* p : excess) cudaFreeHost(p);
-    if (found != nullptr) return found;
+    return device;
+  }
+
+  Status CopyIndexOnCompute(void* compute, int32_t* slot,
+                            const void* index) override {
+    return CudaStatus("copying the slice index",
+                      cudaMemcpyAsync(slot, index, sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost,
+                                      static_cast<cudaStream_t>(compute)));
+  }
+  StatusOr<DeviceEvent> RecordOnCompute(void* compute) override {
+    return Record(static_cast<cudaStream_t>(compute));
+  }
+  Status ComputeWaits(void* compute, DeviceEvent event) override {
+    return CudaStatus("cudaStreamWaitEvent",
+                      cudaStreamWaitEvent(static_cast<cudaStream_t>(compute),
+                                          ToEvent(event), 0));
+  }
+  Status CopyWaits(Direction direction, DeviceEvent event) override {
+    JCXL_RETURN_IF_ERROR(Current());
+    return CudaStatus(
+        "cudaStreamWaitEvent",
+        cudaStreamWaitEvent(StreamOf(direction), ToEvent(event), 0));
+  }
+  Status Copy(Direction direction, void* device, void* host,
+              uint64_t bytes) override {
+    JCXL_RETURN_IF_ERROR(Current());
+    const bool to_device = direction == Direction::kFromPool;
+    return CudaStatus(
+        "cudaMemcpyAsync",
+        to_device ? cudaMemcpyAsync(device, host, bytes,
+                                    cudaMemcpyHostToDevice,
+                                    StreamOf(direction))
+                  : cudaMemcpyAsync(host, device, bytes,
+                                    cudaMemcpyDeviceToHost,
+                                    StreamOf(direction)));
+  }
+  StatusOr<DeviceEvent> RecordOnCopy(Direction direction) override {
+    JCXL_RETURN_IF_ERROR(Current());
+    return Record(StreamOf(direction));
+  }
+  Status Sync(DeviceEvent event) override {
+    JCXL_RETURN_IF_ERROR(Current());
+    return CudaStatus("cudaEventSynchronize",
+                      cudaEventSynchronize(ToEvent(event)));
+  }
+  int64_t ElapsedNs(DeviceEvent from, DeviceEvent to) override {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, ToEvent(from), ToEvent(to)) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    return static_cast<int64_t>(static_cast<double>(ms) * 1e6);
+  }
+  void ReleaseEvent(DeviceEvent event) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_events_.push_back(ToEvent(event));
+  }
+  StatusOr<void*> AllocHost(uint64_t bytes) override {
+    JCXL_RETURN_IF_ERROR(Current());
     void* p = nullptr;
     cudaError_t error = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
     if (error != cudaSuccess) {
       return Status(Code::kExhausted,
-                    "cudaHostAlloc of a " + std::to_string(bytes) +
-                        "-byte bounce buffer: " + cudaGetErrorString(error));
+                    "cudaHostAlloc of a " + FormatBytes(bytes) +
+                        " page-locked buffer: " + cudaGetErrorString(error));
     }
     return p;
   }
-  void Release(void* p, uint64_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (cached_bytes_ + bytes > kCacheBytes) {
-      to_free_.push_back(p);
-      return;
-    }
-    cached_bytes_ += bytes;
-    free_.emplace(bytes, p);
-  }
+  void FreeHost(void* p) override { cudaFreeHost(p); }
+  std::shared_ptr<PageLocker> Locker() override { return locker_; }
 
  private:
-  static constexpr uint64_t kCacheBytes = 512ull << 20;
-  std::mutex mu_;
-  std::multimap<uint64_t, void*> free_;
-  std::vector<void*> to_free_;
-  uint64_t cached_bytes_ = 0;
-};
-
-constexpr uint64_t kIndexSlotBytes = 64;
-
-// A staged transfer, shared by its start, its host functions and its done.
-struct Staged {
-  std::shared_ptr<Pool> pool;
-  Slice slice;
-  std::vector<int64_t> object_shape;
-  BufferShape buffer;
-  uint64_t offset = 0;
-  int32_t* index_slot = nullptr;  // where the device's index lands, if any
-  void* bounce = nullptr;
-  Direction direction = Direction::kFromPool;
-  int priority = 0;
-  uint64_t chunk_bytes = 0;
-  int64_t timeout_ns = 0;
-  Status status;  // written by RunStaged, read by done after the event
-};
-
-// How long a staged copy that timed out gets to stop before its bounce
-// buffer is reused.
-constexpr int64_t kCancelGraceNs = 2'000'000'000;
-
-// Host function, in stream order: the pool's copy engine moves the bytes
-// between the object and the bounce buffer (the link model applies).
-void CUDART_CB RunStaged(void* arg) {
-  std::unique_ptr<std::shared_ptr<Staged>> owner(
-      static_cast<std::shared_ptr<Staged>*>(arg));
-  Staged& s = **owner;
-  if (s.index_slot != nullptr) {
-    StatusOr<uint64_t> offset =
-        SliceOffset(s.slice, s.object_shape, *s.index_slot, s.buffer);
-    if (offset.ok()) {
-      s.offset = *offset;
-    } else {
-      s.status = offset.status();
-    }
+  explicit CudaDevice(int ordinal)
+      : ordinal_(ordinal), locker_(std::make_shared<CudaLocker>()) {}
+  // The calling thread's current device (jcxl's threads start on none).
+  Status Current() {
+    return CudaStatus("cudaSetDevice", cudaSetDevice(ordinal_));
   }
-  if (s.status.ok()) {
-    StatusOr<std::shared_ptr<Ticket>> ticket =
-        s.direction == Direction::kFromPool
-            ? s.pool->Read(s.slice.handle, s.bounce, s.buffer.bytes,
-                           s.offset, s.priority, s.chunk_bytes)
-            : s.pool->Write(s.slice.handle, s.bounce, s.buffer.bytes,
-                            s.offset, s.priority, s.chunk_bytes);
-    s.status = ticket.ok() ? (*ticket)->Wait(s.timeout_ns) : ticket.status();
-    if (ticket.ok() && !(*ticket)->done()) {
-      (*ticket)->Cancel();
-      (*ticket)->Wait(kCancelGraceNs);
-    }
+  cudaStream_t StreamOf(Direction direction) {
+    return direction == Direction::kFromPool ? to_device_ : from_device_;
   }
-  if (!s.status.ok() && s.direction == Direction::kFromPool) {
-    // The done fails the step; the buffer gets NaNs, never stale bytes.
-    std::memset(s.bounce, 0xff, s.buffer.bytes);
-  }
-}
-
-void CUDART_CB ReleaseStaged(void* arg) {
-  std::unique_ptr<std::shared_ptr<Staged>> owner(
-      static_cast<std::shared_ptr<Staged>*>(arg));
-  Staged& s = **owner;
-  Bounce::Get().Release(s.bounce, s.buffer.bytes);
-  if (s.index_slot != nullptr) {
-    Bounce::Get().Release(s.index_slot, kIndexSlotBytes);
-  }
-}
-
-struct DirectDone {
-  std::shared_ptr<Pool> pool;
-  DirectRange range;
-};
-
-void CUDART_CB EndDirect(void* arg) {
-  std::unique_ptr<DirectDone> done(static_cast<DirectDone*>(arg));
-  done->pool->EndDirect(done->range);
-}
-
-struct Flight {
-  cudaEvent_t done = nullptr;
-  std::shared_ptr<Staged> staged;  // null for a direct copy
-};
-
-// Copies in flight, by the address of their device buffer.
-class InFlight {
- public:
-  static InFlight& Get() {
-    static auto* table = new InFlight();
-    return *table;
-  }
-  void Add(const void* address, Flight flight) {
-    Flight stale;
+  StatusOr<DeviceEvent> Record(cudaStream_t stream) {
+    cudaEvent_t event = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto [it, inserted] = flights_.try_emplace(address, flight);
-      if (inserted) return;
-      stale = std::move(it->second);
-      it->second = std::move(flight);
+      if (!free_events_.empty()) {
+        event = free_events_.back();
+        free_events_.pop_back();
+      }
     }
-    // A failed step left this copy behind: it ends on its own stream.
-    cudaEventDestroy(stale.done);
-  }
-  bool Take(const void* address, Flight* flight) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = flights_.find(address);
-    if (it == flights_.end()) return false;
-    *flight = std::move(it->second);
-    flights_.erase(it);
-    return true;
+    if (event == nullptr) {  // timing on: the profiler reads the waits
+      JCXL_RETURN_IF_ERROR(
+          CudaStatus("cudaEventCreate", cudaEventCreate(&event)));
+    }
+    cudaError_t error = cudaEventRecord(event, stream);
+    if (error != cudaSuccess) {
+      ReleaseEvent(ToHandle(event));
+      return CudaStatus("cudaEventRecord", error);
+    }
+    return ToHandle(event);
   }
 
- private:
+  const int ordinal_;
+  cudaStream_t to_device_ = nullptr;
+  cudaStream_t from_device_ = nullptr;
+  std::shared_ptr<CudaLocker> locker_;
   std::mutex mu_;
-  std::unordered_map<const void*, Flight> flights_;
+  std::vector<cudaEvent_t> free_events_;
 };
+
+// Each device's transfers, made on first use and kept for the process
+// (never destroyed: no CUDA call may run during static destruction).
+std::mutex g_transfers_mu;
+std::map<int, DeviceTransfers*>& TransfersByDevice() {
+  static auto* by_device = new std::map<int, DeviceTransfers*>();
+  return *by_device;
+}
+
+ffi::ErrorOr<DeviceTransfers*> TransfersFor(const char* handler,
+                                            int ordinal) {
+  std::lock_guard<std::mutex> lock(g_transfers_mu);
+  auto it = TransfersByDevice().find(ordinal);
+  if (it != TransfersByDevice().end()) return it->second;
+  StatusOr<std::unique_ptr<CudaDevice>> device = CudaDevice::Create(ordinal);
+  if (!device.ok()) return Unexpected(handler, device.status());
+  auto* transfers = new DeviceTransfers(
+      std::move(*device), PageLocks::kDefaultChunkBytes,
+      [](const DeviceWait& wait) {
+        StreamWait logged;
+        logged.record = wait.record;
+        logged.wait_started_ns = wait.wait_started_ns;
+        logged.wait_ns = wait.wait_ns;
+        LogStreamWait(logged);
+      });
+  TransfersByDevice().emplace(ordinal, transfers);
+  return transfers;
+}
+
+std::vector<DeviceTransfers*> AllTransfers() {
+  std::lock_guard<std::mutex> lock(g_transfers_mu);
+  std::vector<DeviceTransfers*> out;
+  for (const auto& [ordinal, transfers] : TransfersByDevice()) {
+    out.push_back(transfers);
+  }
+  return out;
+}
 
 ffi::ErrorOr<int32_t> HandleFor(const char* handler,
                                 ffi::Span<const int32_t> pairs, int ordinal) {
@@ -295,177 +260,48 @@ struct Request {
   int64_t timeout_ns;
 };
 
-ffi::Error StartDirect(const Request& r, Pool& pool,
-                       std::shared_ptr<Pool> owner, const DirectRange& range,
-                       cudaStream_t copy) {
-  Status registered = EnsureRegistered(pool);
-  if (!registered.ok()) {
-    pool.EndDirect(range);
-    return Fail(r.handler, registered);
-  }
-  const uint64_t chunk =
-      r.chunk_bytes ? r.chunk_bytes : pool.config().chunk_bytes;
-  const bool to_device = r.direction == Direction::kFromPool;
-  char* device = static_cast<char*>(r.device_buffer);
-  for (uint64_t done = 0; done < range.bytes; done += chunk) {
-    const uint64_t n = std::min(chunk, range.bytes - done);
-    cudaError_t error =
-        to_device ? cudaMemcpyAsync(device + done, range.address + done, n,
-                                    cudaMemcpyHostToDevice, copy)
-                  : cudaMemcpyAsync(range.address + done, device + done, n,
-                                    cudaMemcpyDeviceToHost, copy);
-    if (error != cudaSuccess) {
-      cudaStreamSynchronize(copy);  // the pieces already queued
-      pool.EndDirect(range);
-      return CudaFail(r.handler, "cudaMemcpyAsync", error);
-    }
-  }
-  auto* done = new DirectDone{std::move(owner), range};
-  cudaError_t error = cudaLaunchHostFunc(copy, EndDirect, done);
-  if (error != cudaSuccess) {
-    cudaStreamSynchronize(copy);
-    EndDirect(done);
-    return CudaFail(r.handler, "cudaLaunchHostFunc", error);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::ErrorOr<std::shared_ptr<Staged>> StartStaged(const Request& r,
-                                                  Target target,
-                                                  cudaStream_t copy) {
-  auto staged = std::make_shared<Staged>();
-  staged->pool = std::move(target.pool);
-  staged->slice = r.slice;
-  staged->object_shape = std::move(target.object_shape);
-  staged->buffer = r.shape;
-  staged->offset = target.offset;
-  staged->direction = r.direction;
-  staged->priority = r.priority;
-  staged->chunk_bytes = r.chunk_bytes;
-  staged->timeout_ns = r.timeout_ns;
-  StatusOr<void*> bounce = Bounce::Get().Acquire(r.shape.bytes);
-  if (!bounce.ok()) return Unexpected(r.handler, bounce.status());
-  staged->bounce = *bounce;
-  auto cleanup = [&](cudaError_t error, const char* what) {
-    cudaStreamSynchronize(copy);
-    Bounce::Get().Release(staged->bounce, r.shape.bytes);
-    if (staged->index_slot) {
-      Bounce::Get().Release(staged->index_slot, kIndexSlotBytes);
-    }
-    return ffi::Unexpected<ffi::Error>(CudaFail(r.handler, what, error));
-  };
-  const bool index_on_device = r.slice.stacked && r.static_index < 0;
-  if (index_on_device) {
-    StatusOr<void*> slot = Bounce::Get().Acquire(kIndexSlotBytes);
-    if (!slot.ok()) {
-      Bounce::Get().Release(staged->bounce, r.shape.bytes);
-      return Unexpected(r.handler, slot.status());
-    }
-    staged->index_slot = static_cast<int32_t*>(*slot);
-    cudaError_t error = cudaMemcpyAsync(staged->index_slot, r.index_on_device,
-                                        sizeof(int32_t),
-                                        cudaMemcpyDeviceToHost, copy);
-    if (error != cudaSuccess) return cleanup(error, "copying the index");
-  }
-  if (r.direction == Direction::kToPool) {
-    cudaError_t error =
-        cudaMemcpyAsync(staged->bounce, r.device_buffer, r.shape.bytes,
-                        cudaMemcpyDeviceToHost, copy);
-    if (error != cudaSuccess) return cleanup(error, "cudaMemcpyAsync");
-  }
-  cudaError_t error = cudaLaunchHostFunc(
-      copy, RunStaged, new std::shared_ptr<Staged>(staged));
-  if (error != cudaSuccess) return cleanup(error, "cudaLaunchHostFunc");
-  if (r.direction == Direction::kFromPool) {
-    error = cudaMemcpyAsync(r.device_buffer, staged->bounce, r.shape.bytes,
-                            cudaMemcpyHostToDevice, copy);
-    if (error != cudaSuccess) return cleanup(error, "cudaMemcpyAsync");
-  }
-  error = cudaLaunchHostFunc(copy, ReleaseStaged,
-                             new std::shared_ptr<Staged>(staged));
-  if (error != cudaSuccess) return cleanup(error, "cudaLaunchHostFunc");
-  return staged;
-}
-
 ffi::Error Start(const Request& r) {
   JCXL_CUDA_RETURN_IF_ERROR(r.handler, "cudaSetDevice",
                             cudaSetDevice(r.ordinal));
-  ffi::ErrorOr<Target> target =
-      Resolve(r.handler, r.slice, r.slice.stacked ? r.static_index : 0,
-              r.shape);
+  const bool index_on_device = r.slice.stacked && r.static_index < 0;
+  ffi::ErrorOr<Target> target = Resolve(
+      r.handler, r.slice, r.slice.stacked ? r.static_index : 0, r.shape);
   if (target.has_error()) return target.error();
-  ffi::ErrorOr<Streams> streams = StreamsFor(r.handler, r.ordinal);
-  if (streams.has_error()) return streams.error();
-  cudaStream_t copy = r.direction == Direction::kFromPool
-                          ? streams->to_device
-                          : streams->from_device;
-  // The copy may start once the compute stream got here: the buffer is then
-  // allocated (a fetch) or written (a store).
-  cudaEvent_t ready = nullptr;
-  Flight flight;
-  JCXL_CUDA_RETURN_IF_ERROR(
-      r.handler, "cudaEventCreate",
-      cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-  JCXL_CUDA_RETURN_IF_ERROR(
-      r.handler, "cudaEventCreate",
-      cudaEventCreateWithFlags(&flight.done, cudaEventDisableTiming));
-  cudaError_t error = cudaEventRecord(ready, r.compute);
-  if (error == cudaSuccess) error = cudaStreamWaitEvent(copy, ready, 0);
-  cudaEventDestroy(ready);  // released once the wait is done with it
-  if (error != cudaSuccess) {
-    cudaEventDestroy(flight.done);
-    return CudaFail(r.handler, "ordering the copy after the step", error);
+  ffi::ErrorOr<DeviceTransfers*> transfers =
+      TransfersFor(r.handler, r.ordinal);
+  if (transfers.has_error()) return transfers.error();
+  DeviceRequest request;
+  request.pool = std::move(target->pool);
+  request.handle = r.slice.handle;
+  request.compute = r.compute;
+  request.device_buffer = r.device_buffer;
+  request.bytes = r.shape.bytes;
+  request.direction = r.direction;
+  request.offset = target->offset;
+  if (index_on_device) {
+    request.index_on_device = r.index_on_device;
+    request.offset_of = [slice = r.slice,
+                         object_shape = std::move(target->object_shape),
+                         shape = r.shape](int64_t index) {
+      return SliceOffset(slice, object_shape, index, shape);
+    };
   }
-  const bool index_known = !r.slice.stacked || r.static_index >= 0;
-  StatusOr<DirectRange> direct =
-      index_known ? target->pool->BeginDirect(r.slice.handle, r.shape.bytes,
-                                              target->offset, r.direction)
-                  : StatusOr<DirectRange>(Status(Code::kInvalidArgument,
-                                                 "index on the device"));
-  if (direct.ok()) {
-    Pool& pool = *target->pool;
-    ffi::Error started = StartDirect(r, pool, target->pool, *direct, copy);
-    if (started.failure()) {
-      cudaEventDestroy(flight.done);
-      return started;
-    }
-  } else {
-    ffi::ErrorOr<std::shared_ptr<Staged>> staged =
-        StartStaged(r, std::move(*target), copy);
-    if (staged.has_error()) {
-      cudaEventDestroy(flight.done);
-      return staged.error();
-    }
-    flight.staged = std::move(*staged);
-  }
-  error = cudaEventRecord(flight.done, copy);
-  if (error != cudaSuccess) {
-    cudaStreamSynchronize(copy);
-    cudaEventDestroy(flight.done);
-    return CudaFail(r.handler, "cudaEventRecord", error);
-  }
-  InFlight::Get().Add(r.device_buffer, std::move(flight));
+  request.priority = r.priority;
+  request.chunk_bytes = r.chunk_bytes;
+  request.timeout_ns = r.timeout_ns;
+  Status started = (*transfers)->Start(std::move(request));
+  if (!started.ok()) return Fail(r.handler, started);
   return ffi::Error::Success();
 }
 
 ffi::Error Done(const char* handler, cudaStream_t compute, int ordinal,
                 const void* buffer) {
   JCXL_CUDA_RETURN_IF_ERROR(handler, "cudaSetDevice", cudaSetDevice(ordinal));
-  Flight flight;
-  if (!InFlight::Get().Take(buffer, &flight)) {
-    return NoTransferInFlight(handler);
-  }
-  cudaError_t error = cudaStreamWaitEvent(compute, flight.done, 0);
-  Status status;
-  if (error == cudaSuccess && flight.staged) {
-    // Its pool side ran on the host: wait for it, so that its error is the
-    // step's (a staged tier is slow anyway; the direct path never waits).
-    error = cudaEventSynchronize(flight.done);
-    status = flight.staged->status;
-  }
-  cudaEventDestroy(flight.done);
-  if (error != cudaSuccess) return CudaFail(handler, "waiting", error);
-  if (!status.ok()) return Fail(handler, status);
+  ffi::ErrorOr<DeviceTransfers*> transfers = TransfersFor(handler, ordinal);
+  if (transfers.has_error()) return transfers.error();
+  Status done = (*transfers)->Done(compute, buffer);
+  if (done.code() == Code::kNotFound) return NoTransferInFlight(handler);
+  if (!done.ok()) return Fail(handler, done);
   return ffi::Error::Success();
 }
 
@@ -595,6 +431,30 @@ double MemcpyBandwidth(int ordinal, uint64_t bytes, bool to_device,
   if (host) cudaFreeHost(host);
   if (error != cudaSuccess) return -static_cast<double>(error);
   return static_cast<double>(bytes) * repeats / (ms * 1e-3);
+}
+
+void Flush() {
+  for (DeviceTransfers* transfers : AllTransfers()) transfers->Drain();
+}
+
+std::map<std::string, uint64_t> Counters() {
+  Flush();  // every transfer so far is counted
+  std::map<std::string, uint64_t> out;
+  for (DeviceTransfers* transfers : AllTransfers()) {
+    DeviceCounters c = transfers->counters();
+    HostBufferCache::Stats bounce = transfers->bounce_stats();
+    out["direct"] += c.direct;
+    out["direct_after_index"] += c.direct_after_index;
+    out["staged"] += c.staged;
+    out["staged_lock_failed"] += c.staged_lock_failed;
+    out["stale_waits"] += c.stale_waits;
+    out["failed"] += c.failed;
+    out["bounce_allocations"] += bounce.allocations;
+    out["bounce_reuses"] += bounce.reuses;
+    out["bounce_frees"] += bounce.frees;
+    out["bounce_peak_bytes"] += bounce.peak_in_use_bytes;
+  }
+  return out;
 }
 
 int DeviceCount() {

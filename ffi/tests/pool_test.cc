@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "check.h"
+#include "pool_fixtures.h"
 #include "test_util.h"
 
 namespace jcxl {
@@ -36,12 +37,6 @@ PoolConfig ThreeTiers(const std::string& nvme_dir, uint64_t host = 8 * kMiB,
   config.copy_threads = 2;
   config.chunk_bytes = 256 * kKiB;
   return config;
-}
-
-std::shared_ptr<Pool> NewPool(const PoolConfig& config) {
-  StatusOr<std::shared_ptr<Pool>> pool = Pool::Create(config);
-  CHECK_OK(pool);
-  return *pool;
 }
 
 int32_t Alloc(Pool& pool, TierKind tier, uint64_t bytes) {
@@ -453,6 +448,12 @@ TEST(FreeWaitsForTransfersInFlight) {
   std::shared_ptr<Pool> pool = NewPool(config);
   const int32_t handle = Alloc(*pool, TierKind::kCxl, 4 * kMiB);
   const std::vector<char> data = Pattern(4 * kMiB, 5);
+  // The write is held by an injected stall, so the short wait below times
+  // out however slowly this thread is scheduled.
+  FaultSpec stall;
+  stall.kind = FaultSpec::Kind::kStall;
+  stall.direction = static_cast<int>(Direction::kToPool);
+  CHECK_OK(pool->InjectFault(stall));
   StatusOr<std::shared_ptr<Ticket>> ticket =
       pool->Write(handle, data.data(), data.size(), 0, 0, 0);
   CHECK_OK(ticket);
@@ -461,6 +462,7 @@ TEST(FreeWaitsForTransfersInFlight) {
   CHECK_CODE(early, Code::kTimeout);
   CHECK_CONTAINS(early.message(), "cannot free handle");
   CHECK_OK(pool->Info(handle));
+  CHECK_OK(pool->InjectFault(FaultSpec{}));  // releases the stalled write
   // A long one returns only after the transfer's last chunk (the ticket
   // itself may wake its waiters a moment later).
   CHECK_OK(pool->Free(handle, kLongWaitNs));

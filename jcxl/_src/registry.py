@@ -48,6 +48,14 @@ def cuda_available() -> bool:
     return False
 
 
+def flush_device_transfers() -> None:
+  """Returns once every GPU transfer issued so far is logged for the
+  profiler (the CUDA handlers log each one from a thread of their own,
+  shortly after it ends); nothing to do without them."""
+  if getattr(_jcxl, "cuda_built", False):
+    _jcxl.cuda_flush()
+
+
 def register_ffi_targets() -> None:
   """Registers jcxl's XLA FFI targets for the CPU platform, and for CUDA
   where a GPU is there and jcxl was built with CUDA (once)."""

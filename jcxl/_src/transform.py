@@ -901,6 +901,7 @@ class OffloadedStep:
     measure = measure or wanted
     if measure:
       jax.block_until_ready(self._last_results)
+      registry.flush_device_transfers()
       # Waits of earlier steps belong to them. Forgotten, not drained: up
       # to 65536 of them, every offloaded step's since the last measured
       # one, were handed to Python inside the measured step (41104 took
@@ -911,6 +912,7 @@ class OffloadedStep:
                                             for i in entry.passed))
     if measure:
       jax.block_until_ready(self._last_results)
+      registry.flush_device_transfers()  # the step's own GPU waits
       window = (started, _jcxl.now_ns())
       self.last_profile = profile_lib.profile_step(
           self._collect(), self._first_device, window, self._segments)
@@ -971,6 +973,7 @@ class OffloadedStep:
     Waits for the steps already dispatched to finish first.
     """
     jax.block_until_ready(self._last_results)
+    registry.flush_device_transfers()
     moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
     for handle, totals in _jcxl.drain_wait_totals().items():
       name = self._groups.get(handle)
