@@ -2,13 +2,13 @@ r"""Replays model allocation traces on jcxl's allocator and a first-fit one.
 
 Builds, for each model, the allocation trace of training it with Adam
 (parameters, moments, gradients, checkpointed activations and transient
-buffers; see jcxl/_src/alloc_trace.py), replays it on the hybrid allocator
+buffers; see benchmarks/alloc_trace.py), replays it on the hybrid allocator
 (size-class slabs plus best-fit extents, 4 KiB granularity) and on a plain
 first-fit allocator with 16-byte alignment (malloc-like), and prints their
 fragmentation and allocation times side by side.
 
   python -m experiments.alloc_trace --models=gpt2,llama-7b --steps=3 \
-      --dtype=float32 --out=/tmp/alloc_trace
+      --dtype=float32 --run_dir=/tmp/alloc_trace
 """
 
 from __future__ import annotations
@@ -20,23 +20,26 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from benchmarks import alloc_trace
+from experiments import flags as shared_flags
 from experiments import results_file
-from jcxl._src import alloc_trace
 
 _MODELS = flags.DEFINE_list(
     "models", list(alloc_trace.MODEL_NAMES),
     f"Models to trace, from {', '.join(alloc_trace.MODEL_NAMES)}.")
-_STEPS = flags.DEFINE_integer("steps", 3, "Training steps after step 0.")
+_STEPS = shared_flags.steps(default=3,
+                            help_text="Training steps after step 0.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", alloc_trace.DTYPES,
                            "Dtype of parameters, moments and activations.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seeds the per-step sequence lengths.")
+_BATCH = shared_flags.batch(default=8)
+_SEED = shared_flags.seed(help_text="Seeds the per-step sequence lengths.")
 _DONATE = flags.DEFINE_bool(
     "donate", True,
     "Update parameters and moments in place (donated state); with "
     "--nodonate every update allocates new buffers and frees the old.")
-_OUT = flags.DEFINE_string(
-    "out", None, "Run directory for alloc_trace.csv and alloc_trace.md.")
+_RUN_DIR = shared_flags.run_dir(
+    default=None,
+    help_text="Run directory for alloc_trace.csv and alloc_trace.md.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +52,7 @@ class Config:
   batch: int
   seed: int
   donate: bool
-  out: str | None
+  run_dir: str | None
 
   def traces(self) -> list[alloc_trace.TraceConfig]:
     return [alloc_trace.TraceConfig(model=m, steps=self.steps,
@@ -70,7 +73,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   config = Config(models=tuple(_MODELS.value), steps=_STEPS.value,
                   dtype=_DTYPE.value, batch=_BATCH.value, seed=_SEED.value,
-                  donate=_DONATE.value, out=_OUT.value)
+                  donate=_DONATE.value, run_dir=_RUN_DIR.value)
   try:
     config.validate()
   except ValueError as e:
@@ -83,8 +86,8 @@ def main(argv):
     comparisons.append(alloc_trace.compare(trace))
   rows = alloc_trace.table_rows(comparisons)
   print(alloc_trace.format_table(rows))
-  if config.out:
-    for path in alloc_trace.write_results(comparisons, config.out):
+  if config.run_dir:
+    for path in alloc_trace.write_results(comparisons, config.run_dir):
       logging.info("wrote %s", path)
   results_file.write("alloc_trace", {"config": dataclasses.asdict(config),
                                      "rows": rows}, sys.argv)

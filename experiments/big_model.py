@@ -58,11 +58,11 @@ import optax
 from flax import nnx
 
 import jcxl
+from benchmarks import bench
 from experiments import common
-from jcxl._src import bench
-from jcxl._src.pool import TransferRecord
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bytes
+from jcxl import TransferRecord
+from jcxl.units import format_bytes
+from jcxl.units import parse_bytes
 from models import common as model_common
 from models import data
 from models import gpt2

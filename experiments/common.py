@@ -16,8 +16,8 @@ from absl import logging
 import jax
 import optax
 
+from benchmarks import bench
 from experiments import results_file
-from jcxl._src import bench
 
 _HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 # Comparing a trained state with a reference computed another way (offloaded

@@ -65,15 +65,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import bench
 import jcxl
 from experiments import common as exp_common
+from experiments import flags as shared_flags
 from experiments import max_model
 from experiments import plots as exp_plots
-from jcxl._src import bench
-from jcxl._src.transform import device_need
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from jcxl.planning import device_need
+from jcxl.units import format_bytes
+from jcxl.units import parse_bytes
 from models import common
 from models import data
 from models import gpt2
@@ -115,10 +115,9 @@ _WIDTHS = flags.DEFINE_list(
     flag_values=FLAGS)
 _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to compare.",
                            flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer("batch", 2, "Sequences per step.",
-                              flag_values=FLAGS)
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Bytes per sequence.",
-                                flag_values=FLAGS)
+_BATCH = shared_flags.batch(FLAGS, default=2)
+_SEQ_LEN = shared_flags.seq_len(FLAGS, default=64,
+                                help_text="Bytes per sequence.")
 _ROUNDS = flags.DEFINE_integer("rounds", 8, "Timed rounds per size.",
                                flag_values=FLAGS)
 _WARMUP = flags.DEFINE_integer(
@@ -130,32 +129,24 @@ _TUNE_STEPS = flags.DEFINE_integer(
 _FIXED_PREFETCH = flags.DEFINE_integer(
     "fixed_prefetch", 1, "cxl_fixed's prefetch distance (layers).",
     flag_values=FLAGS)
-_DEVICE_BUDGET = flags.DEFINE_string(
-    "device_budget", "192MiB", "Device memory a step may need.",
-    flag_values=FLAGS)
+_DEVICE_BUDGET = shared_flags.device_budget(FLAGS, default="192MiB")
 _POOL_CAPACITY = flags.DEFINE_string(
     "pool_capacity", "auto", "Capacity of the tier holding the state in the "
     f"largest-model search; 'auto': {AUTO_MEMORY_FRACTION:.0%} of "
     "MemAvailable (and at most half the nvme disk's free space).",
     flag_values=FLAGS)
-_CXL_BANDWIDTH = flags.DEFINE_string(
-    "cxl_bandwidth", "16GB/s", "Emulated cxl link bandwidth.",
-    flag_values=FLAGS)
-_CXL_LATENCY_US = flags.DEFINE_float(
-    "cxl_latency_us", 2.0, "Emulated cxl latency per transfer (us).",
-    flag_values=FLAGS)
-_NVME_DIR = flags.DEFINE_string(
-    "nvme_dir", None, "Existing, writable directory on a real disk for the "
-    "ssd mode's nvme tier (default: --run_dir).", flag_values=FLAGS)
+_LINK_BANDWIDTH = shared_flags.link_bandwidth(FLAGS)
+_LINK_LATENCY_US = shared_flags.link_latency_us(FLAGS)
+_NVME_DIR = shared_flags.nvme_dir(
+    FLAGS, default=None, help_text="Existing, writable directory on a real "
+    "disk for the ssd mode's nvme tier (default: --run_dir).")
 _SEARCH = flags.DEFINE_boolean("search", True,
                                "Run part 2 (the largest-model search).",
                                flag_values=FLAGS)
 _MAX_WIDTH = flags.DEFINE_integer(
     "max_width", 4096, "Widest model part 2 tries.", flag_values=FLAGS)
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and the data.",
-                             flag_values=FLAGS)
-_RUN_DIR = flags.DEFINE_string("run_dir", "runs/compare",
-                               "Output directory.", flag_values=FLAGS)
+_SEED = shared_flags.seed(FLAGS)
+_RUN_DIR = shared_flags.run_dir(FLAGS, default="runs/compare")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -272,9 +263,7 @@ def config_from_flags() -> Config:
       device_budget=parse_bytes(_DEVICE_BUDGET.value,
                                 name="--device_budget"),
       pool_capacity=capacity, pool_capacity_source=source_capacity,
-      cxl_link=jcxl.LinkModel(
-          parse_bandwidth(_CXL_BANDWIDTH.value, name="--cxl_bandwidth"),
-          _CXL_LATENCY_US.value * 1e-6),
+      cxl_link=shared_flags.link(_LINK_BANDWIDTH, _LINK_LATENCY_US),
       nvme_dir=nvme_dir, search=_SEARCH.value, max_width=_MAX_WIDTH.value,
       seed=_SEED.value, run_dir=run_dir)
 

@@ -38,7 +38,7 @@ Writes results.csv, results.md, step_time.png, memory.png and stall.png
 into --run_dir; the emulated link parameters are in every title.
 
   python -m experiments.dap --models=gpt2_bigvocab,wide_narrow,one_big \
-      --bandwidths=0.5GB/s,2GB/s,16GB/s --steps=24 --run_dir=runs/dap
+      --link_bandwidths=0.5GB/s,2GB/s,16GB/s --steps=24 --run_dir=runs/dap
 """
 
 from __future__ import annotations
@@ -59,13 +59,11 @@ import jax
 import optax
 
 import jcxl
-from jcxl._src import compute_measure
-from jcxl._src import costmodel
-from jcxl._src import transfer_estimate
-from jcxl._src.transform import step_timeline
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from jcxl import planning
+from jcxl.units import parse_bandwidth
+from jcxl.units import parse_bytes
 from experiments import common as exp_common
+from experiments import flags as shared_flags
 from experiments import plots as exp_plots
 from models import common
 from models import gpt2
@@ -104,12 +102,9 @@ CONFIRM_BATCH = 8
 
 _MODELS = flags.DEFINE_list("models", list(MODELS), "models to run",
                             flag_values=FLAGS)
-_BANDWIDTHS = flags.DEFINE_list(
-    "bandwidths", ["0.5GB/s", "2GB/s", "16GB/s"],
-    "emulated cxl link bandwidths", flag_values=FLAGS)
-_LATENCY_US = flags.DEFINE_float(
-    "link_latency_us", 2.0, "emulated cxl latency per transfer",
-    flag_values=FLAGS)
+_BANDWIDTHS = shared_flags.link_bandwidths(
+    FLAGS, default=["0.5GB/s", "2GB/s", "16GB/s"])
+_LATENCY_US = shared_flags.link_latency_us(FLAGS)
 _SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "schedules",
                                flag_values=FLAGS)
 _STEPS = flags.DEFINE_integer(
@@ -135,8 +130,7 @@ _SOLO_STEPS = flags.DEFINE_integer(
 _TUNE_STEPS = flags.DEFINE_integer(
     "tune_steps", 200, "most untimed steps DAP may tune for (twice that to "
     "re-plan after the link slows)", flag_values=FLAGS)
-_BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
-                              flag_values=FLAGS)
+_BUDGET = shared_flags.device_budget(FLAGS, default="1GiB")
 _TIGHT_MODELS = flags.DEFINE_list(
     "tight_models", ["one_big"],
     "models also run at the middle bandwidth with a tight device budget: "
@@ -152,8 +146,7 @@ _SLOWDOWN_MODEL = flags.DEFINE_string(
     "the middle bandwidth (one whose tuned step still waits on transfers: "
     "GPT-2's tuned plan hid a 2x slower link, 606 -> 630 ms, with nothing "
     "to re-plan)", flag_values=FLAGS)
-_RUN_DIR = flags.DEFINE_string("run_dir", "runs/dap", "output directory",
-                               flag_values=FLAGS)
+_RUN_DIR = shared_flags.run_dir(FLAGS, default="runs/dap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +194,7 @@ class Config:
 def config_from_flags() -> Config:
   return Config(
       models=tuple(_MODELS.value),
-      bandwidths=tuple(parse_bandwidth(b, name="--bandwidths")
+      bandwidths=tuple(parse_bandwidth(b, name="--link_bandwidths")
                        for b in _BANDWIDTHS.value),
       latency_s=_LATENCY_US.value * 1e-6, schedules=tuple(_SCHEDULES.value),
       steps=_STEPS.value, confirm_rounds=_CONFIRM_ROUNDS.value,
@@ -235,22 +228,21 @@ class Case:
                             ((self.params, self.tx.init(self.params)),
                              self.batch))
     self.timelines = {
-        "measured": compute_measure.measured_timeline(self.step_fn,
-                                                      *abstract)[0],
-        "alone": step_timeline(self.step_fn, *abstract, timed=True)[0]}
+        "measured": planning.measured_timeline(self.step_fn, *abstract)[0],
+        "alone": planning.step_timeline(self.step_fn, *abstract,
+                                        timed=True)[0]}
 
   def offline_predictions(self, plan: Any, link: jcxl.LinkModel
                           ) -> dict[str, float]:
     """The step time the cost model gives `plan` before anything ran, on
     each of the timelines: the emulated link, each transfer holding it for
     the copy engine's round trip (measured)."""
-    links = {"cxl": costmodel.Link(
+    links = {"cxl": planning.Link(
         link.bandwidth, link.latency_s,
-        hold_s=transfer_estimate.round_trip_seconds())}
+        hold_s=planning.round_trip_seconds())}
     prefetch = {l.name: l.prefetch for l in plan.layers}
     chunks = {l.name: l.chunk_bytes for l in plan.layers}
-    return {name: costmodel.simulate(timeline, prefetch, links,
-                                     chunks).step_s
+    return {name: planning.simulate(timeline, prefetch, links, chunks).step_s
             for name, timeline in self.timelines.items()}
 
   def place(self, pool):

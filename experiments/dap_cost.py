@@ -38,9 +38,9 @@ import optax
 
 import jcxl
 from experiments import common as exp_common
-from jcxl._src import tuner as tuner_lib
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from experiments import flags as shared_flags
+from jcxl.units import parse_bandwidth
+from jcxl.units import parse_bytes
 from models import common
 from models import gpt2
 from models import llama
@@ -80,22 +80,16 @@ _STEPS = flags.DEFINE_integer(
 _BLOCK_STEPS = flags.DEFINE_integer(
     "block_steps", 2, "steps each schedule runs back to back a round, the "
     "last timed", flag_values=FLAGS)
-_BANDWIDTH = flags.DEFINE_string("bandwidth", "2GB/s",
-                                 "emulated cxl link bandwidth",
-                                 flag_values=FLAGS)
-_LATENCY_US = flags.DEFINE_float("link_latency_us", 2.0,
-                                 "emulated cxl latency per transfer",
-                                 flag_values=FLAGS)
-_BUDGET = flags.DEFINE_string("device_budget", "1GiB", "device budget",
-                              flag_values=FLAGS)
+_BANDWIDTH = shared_flags.link_bandwidth(FLAGS, default="2GB/s")
+_LATENCY_US = shared_flags.link_latency_us(FLAGS)
+_BUDGET = shared_flags.device_budget(FLAGS, default="1GiB")
 _MAX_TUNING_STEPS = flags.DEFINE_integer(
     "max_tuning_steps", None, "DAP's tuning step limit (default: the "
     "tuner's)", flag_values=FLAGS)
 _MAX_COMPILE_S = flags.DEFINE_float(
     "max_compile_s", None, "DAP's compile limit in seconds (default: the "
     "tuner's)", flag_values=FLAGS)
-_JSON_OUT = flags.DEFINE_string("json_out", "runs/dap_cost.json",
-                                "results file", flag_values=FLAGS)
+_JSON_OUT = shared_flags.json_out(FLAGS, default="runs/dap_cost.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +122,10 @@ class Config:
                        f"{self.steps}")
     exp_common.check_json_out(self.json_out, "runs/dap_cost.json")
     # The tuner's own checks name what is wrong with a limit.
-    self.tuner_options(tuner_lib.TunerOptions())
+    self.tuner_options(jcxl.TunerOptions())
 
-  def tuner_options(self, options: tuner_lib.TunerOptions
-                    ) -> tuner_lib.TunerOptions:
+  def tuner_options(self, options: jcxl.TunerOptions
+                    ) -> jcxl.TunerOptions:
     """`options` with the limits these flags set."""
     changes = {}
     if self.max_tuning_steps is not None:
@@ -145,7 +139,7 @@ def config_from_flags() -> Config:
   return Config(
       models=tuple(_MODELS.value), fixed=tuple(_FIXED.value),
       steps=_STEPS.value, block_steps=_BLOCK_STEPS.value,
-      bandwidth=parse_bandwidth(_BANDWIDTH.value, name="--bandwidth"),
+      bandwidth=parse_bandwidth(_BANDWIDTH.value, name="--link_bandwidth"),
       latency_s=_LATENCY_US.value * 1e-6,
       device_budget=parse_bytes(_BUDGET.value, name="--device_budget"),
       max_tuning_steps=_MAX_TUNING_STEPS.value,

@@ -79,11 +79,9 @@ import jcxl
 from experiments import common as exp_common
 from experiments import compare
 from jcxl import _jcxl
-from jcxl._src import registry
-from jcxl._src.pool import DEFAULT_CXL_LINK
-from jcxl._src.stream import streamed_scan
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bytes
+from jcxl import streamed_scan
+from jcxl.units import format_bytes
+from jcxl.units import parse_bytes
 from models import common
 from models import data
 from models import gpt2
@@ -223,7 +221,7 @@ def _device() -> jax.Device:
 
 
 def _on_gpu() -> bool:
-  return _device().platform == "gpu" and registry.cuda_available()
+  return _device().platform == "gpu" and jcxl.cuda_available()
 
 
 def _platform() -> str:
@@ -632,7 +630,7 @@ def steps(config: Config, result: dict[str, Any]) -> dict[str, Any]:
       warmup=1 if config.dry_run else 2,
       tune_steps=3 if config.dry_run else 12,
       fixed_prefetch=1, device_budget=budget, pool_capacity=0,
-      pool_capacity_source="per mode", cxl_link=DEFAULT_CXL_LINK,
+      pool_capacity_source="per mode", cxl_link=jcxl.DEFAULT_CXL_LINK,
       nvme_dir=config.nvme_dir, search=False, max_width=config.width, seed=0,
       run_dir=config.run_dir)
   stream = data.load_stdlib_corpus().batches(

@@ -72,14 +72,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import bench
 import jcxl
 from experiments import common
-from jcxl._src import bench
-from jcxl._src.pool import Tier
-from jcxl._src.pool import as_tier
-from jcxl._src.pool_array import PoolArray
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bytes
+from experiments import flags as shared_flags
+from jcxl import PoolArray
+from jcxl import Tier
+from jcxl.units import format_bytes
+from jcxl.units import parse_bytes
 from models import common as model_common
 from models import gpt2
 
@@ -99,11 +99,10 @@ _MODEL = flags.DEFINE_string(
 _N_LAYER = flags.DEFINE_integer(
     "n_layer", None, "Blocks of the model; default: the preset's.",
     lower_bound=1, flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer(
-    "batch", 1, "Sequences per step.", lower_bound=1, flag_values=FLAGS)
-_SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", 128, "Tokens per sequence (at most the model's n_ctx).",
-    lower_bound=1, flag_values=FLAGS)
+_BATCH = shared_flags.batch(FLAGS, default=1, lower_bound=1)
+_SEQ_LEN = shared_flags.seq_len(
+    FLAGS, default=128, help_text="Tokens per sequence (at most the model's "
+    "n_ctx).", lower_bound=1)
 _SCAN_LAYERS = flags.DEFINE_boolean(
     "scan_layers", False,
     "Stack the blocks and apply them with lax.scan instead of unrolling.",
@@ -119,12 +118,10 @@ _SEARCH_SCHEDULE = flags.DEFINE_string(
 _TIER = flags.DEFINE_string(
     "tier", "cxl", "Pool tier holding the offloaded state: host, cxl or nvme.",
     flag_values=FLAGS)
-_NVME_DIR = flags.DEFINE_string(
-    "nvme_dir", "./build", "An existing directory for the nvme tier's file.",
-    flag_values=FLAGS)
-_DEVICE_BUDGET = flags.DEFINE_string(
-    "device_budget", "2GiB", "Device memory a step may need, e.g. '2GiB'.",
-    flag_values=FLAGS)
+_NVME_DIR = shared_flags.nvme_dir(
+    FLAGS, default="./build",
+    help_text="An existing directory for the nvme tier's file.")
+_DEVICE_BUDGET = shared_flags.device_budget(FLAGS, default="2GiB")
 _POOL_CAPACITY = flags.DEFINE_string(
     "pool_capacity", "auto",
     "Bytes of the pool tier for the state, e.g. '8GiB'; 'auto': "
@@ -145,9 +142,7 @@ _MAX_LAYERS = flags.DEFINE_integer(
 _SEARCH = flags.DEFINE_boolean(
     "search", True, "Run part 2 (the largest-model search).",
     flag_values=FLAGS)
-_JSON_OUT = flags.DEFINE_string(
-    "json_out", None, "Optional path to write the results to as JSON.",
-    flag_values=FLAGS)
+_JSON_OUT = shared_flags.json_out(FLAGS)
 
 
 def mib(nbytes: float) -> str:
@@ -237,7 +232,7 @@ def config_from_flags() -> Config:
   if _FAMILY.value not in FAMILIES:
     raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, but "
                      f"got {_FAMILY.value!r}")
-  tier = as_tier(_TIER.value.strip(), name="--tier")
+  tier = Tier.parse(_TIER.value.strip(), name="--tier")
   if _POOL_CAPACITY.value.strip() == "auto":
     capacity, source = auto_pool_capacity(tier, _NVME_DIR.value)
   else:

@@ -23,7 +23,7 @@ what the compiler makes of the whole step, which segments timed alone do
 not; it needs the state in host memory). Activations are the residuals
 the forward pass saves for the backward pass. With --validate, a small
 model is also planned for this machine (its cxl tier EMULATED behind
---validate_link, each transfer holding the link for the copy engine's
+--link_bandwidth, each transfer holding the link for the copy engine's
 measured round trip) and run: the step time predicted from measured and
 from timed-alone compute, and the measured one, are printed.
 
@@ -47,18 +47,13 @@ import jax
 import optax
 
 import jcxl
-from jcxl._src import compute_estimate
-from jcxl._src import compute_measure
-from jcxl._src import costmodel
-from jcxl._src import jax_compat
-from jcxl._src import schedule as schedule_lib
-from jcxl._src import transfer_estimate
-from jcxl._src.transform import step_timeline
-from jcxl._src.units import format_bandwidth
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from jcxl import planning
+from jcxl.units import format_bandwidth
+from jcxl.units import format_bytes
+from jcxl.units import parse_bandwidth
+from jcxl.units import parse_bytes
 from experiments import common as exp_common
+from experiments import flags as shared_flags
 from models import common
 from models import gpt2
 from models import llama
@@ -70,9 +65,8 @@ FAMILIES = {"gpt2": (gpt2, "n_layer", "n_ctx"),
 _MODEL = flags.DEFINE_string("model", "gpt2:small",
                              "family:preset, e.g. gpt2:medium, llama:llama3_1b",
                              flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer("batch", 4, "batch size", flag_values=FLAGS)
-_SEQ = flags.DEFINE_integer("seq_len", 256, "sequence length",
-                            flag_values=FLAGS)
+_BATCH = shared_flags.batch(FLAGS, default=4)
+_SEQ = shared_flags.seq_len(FLAGS, default=256)
 _DEVICE_MEMORY = flags.DEFINE_string("device_memory", "2GiB",
                                      "device memory", flag_values=FLAGS)
 _TFLOPS = flags.DEFINE_float(
@@ -88,26 +82,25 @@ _CXL = flags.DEFINE_list("cxl", ["64GiB@16GB/s"],
                          "CXL cards as capacity@bandwidth", flag_values=FLAGS)
 _NVME = flags.DEFINE_string("nvme", "", "NVMe as capacity@bandwidth",
                             flag_values=FLAGS)
-_LATENCY_US = flags.DEFINE_float("latency_us", 2.0,
-                                 "latency per transfer (all tiers)",
-                                 flag_values=FLAGS)
+_LATENCY_US = shared_flags.link_latency_us(
+    FLAGS, help_text="latency per transfer of every link, in microseconds "
+    "(--validate: of the emulated cxl link)")
 _MAX_LAYERS = flags.DEFINE_integer(
     "max_layers", 256, "deepest model the largest-model search plans",
     flag_values=FLAGS)
 _VALIDATE = flags.DEFINE_bool("validate", False,
                               "also run a small model here: predicted vs "
                               "measured step time", flag_values=FLAGS)
-_VALIDATE_LINK = flags.DEFINE_string("validate_link", "1GB/s",
-                                     "emulated cxl link for --validate",
-                                     flag_values=FLAGS)
+_VALIDATE_LINK = shared_flags.link_bandwidth(
+    FLAGS, default="1GB/s", help_text="bandwidth of the emulated cxl link "
+    "--validate runs on")
 _MEASURE_COMPUTE = flags.DEFINE_bool(
     "measure_compute", False,
     "measure each segment's compute in the step run here (sync, on a "
     "throwaway host pool, on zeros: needs the state in host memory and a "
     "dozen steps' time) instead of timing segments alone",
     flag_values=FLAGS)
-_JSON_OUT = flags.DEFINE_string("json_out", "", "write results as JSON",
-                                flag_values=FLAGS)
+_JSON_OUT = shared_flags.json_out(FLAGS, default="")
 
 
 def _capacity_at(text: str, flag: str) -> tuple[int, float]:
@@ -137,7 +130,7 @@ class Config:
   validate_link: float
   json_out: str
   measure_compute: bool = False
-  hold_s: float = 0.0  # per transfer, holding its link (see costmodel.Link)
+  hold_s: float = 0.0  # per transfer, holding its link (see planning.Link)
 
   def validate(self) -> None:
     if self.batch < 1 or self.seq_len < 1 or self.max_layers < 1:
@@ -169,14 +162,14 @@ def config_from_flags() -> Config:
       latency_s=_LATENCY_US.value * 1e-6, max_layers=_MAX_LAYERS.value,
       run_validation=_VALIDATE.value,
       validate_link=parse_bandwidth(_VALIDATE_LINK.value,
-                                    name="--validate_link"),
+                                    name="--link_bandwidth"),
       json_out=_JSON_OUT.value, measure_compute=_MEASURE_COMPUTE.value)
 
 
-def tiers_of(config: Config) -> list[tuple[str, costmodel.Link, int]]:
+def tiers_of(config: Config) -> list[tuple[str, planning.Link, int]]:
   """The pool's tiers as the device sees them, fastest first: each behind
   the host link, the CXL cards interleaved (their bandwidths add up)."""
-  link = lambda bw: costmodel.Link(min(bw, config.host_link),
+  link = lambda bw: planning.Link(min(bw, config.host_link),
                                    config.latency_s, config.hold_s)
   tiers = []
   if config.host_dram:
@@ -193,7 +186,7 @@ def tiers_of(config: Config) -> list[tuple[str, costmodel.Link, int]]:
 class Model:
   """A model's abstract train step: what the planner needs."""
   config: Any
-  segments: list[costmodel.Segment]
+  segments: list[planning.Segment]
   layer_bytes: dict[str, int]
   activation_bytes: int
   params: int
@@ -205,7 +198,7 @@ def abstract_model(family: str, model_config: Any, batch: int,
   """The model's train step as the planner sees it, its compute
   "estimated" from its equations, each segment's work "timed" alone on
   this machine's device (see ``step_timeline``), or "measured" in the
-  step run here (see ``compute_measure``)."""
+  step run here (see ``jcxl.planning.measured_timeline``)."""
   module = FAMILIES[family][0]
   params = jax.eval_shape(lambda: common.init_params(model_config))
   tx = optax.adamw(1e-4)
@@ -215,19 +208,19 @@ def abstract_model(family: str, model_config: Any, batch: int,
   loss_fn = module.make_loss(model_config)
   step = exp_common.make_train_step(loss_fn, tx)
   if compute == "measured":
-    segments, layer_bytes = compute_measure.measured_timeline(
+    segments, layer_bytes = planning.measured_timeline(
         step, (params, opt_state), data)
   else:
-    segments, layer_bytes = step_timeline(step, (params, opt_state), data,
-                                          timed=compute == "timed")
+    segments, layer_bytes = planning.step_timeline(
+        step, (params, opt_state), data, timed=compute == "timed")
   segments = [dataclasses.replace(s, compute_s=s.compute_s * compute_scale)
               for s in segments]
   return Model(model_config, segments, layer_bytes,
-               jax_compat.saved_residual_bytes(loss_fn, params, data),
+               planning.saved_residual_bytes(loss_fn, params, data),
                common.count_params(model_config))
 
 
-def hide_seconds(segments: Sequence[costmodel.Segment]) -> dict[str, float]:
+def hide_seconds(segments: Sequence[planning.Segment]) -> dict[str, float]:
   """Per layer: the compute before each of its fetches (what a prefetch
   of distance 1 hides the fetch behind)."""
   out: dict[str, float] = {}
@@ -237,8 +230,8 @@ def hide_seconds(segments: Sequence[costmodel.Segment]) -> dict[str, float]:
   return out
 
 
-def placed(segments: Sequence[costmodel.Segment],
-           placement: dict[str, str]) -> list[costmodel.Segment]:
+def placed(segments: Sequence[planning.Segment],
+           placement: dict[str, str]) -> list[planning.Segment]:
   """The segments, each fetched from the tier its layer is placed in."""
   return [dataclasses.replace(s, tier=placement.get(s.name, s.tier))
           for s in segments]
@@ -246,8 +239,8 @@ def placed(segments: Sequence[costmodel.Segment],
 
 def plan_model(model: Model, config: Config) -> dict:
   tiers = tiers_of(config)
-  placement = costmodel.choose_tiers(model.layer_bytes,
-                                     hide_seconds(model.segments), tiers)
+  placement = planning.choose_tiers(model.layer_bytes,
+                                    hide_seconds(model.segments), tiers)
   segments = placed(model.segments, placement)
   links = {name: link for name, link, _ in tiers}
   # On the device: activations, and (as the runtime holds them) the layer
@@ -261,7 +254,7 @@ def plan_model(model: Model, config: Config) -> dict:
         f"{format_bytes(model.activation_bytes)} and two layers "
         f"{format_bytes(2 * largest)} need {format_bytes(base)}, over the "
         f"device's {format_bytes(config.device_memory)}")
-  choice = costmodel.plan(segments, links, prefetch_budget=budget)
+  choice = planning.choose_schedule(segments, links, prefetch_budget=budget)
   return dict(placement=placement, choice=choice, device_base=base,
               links=links, segments=segments)
 
@@ -339,12 +332,12 @@ def print_plan(title: str, model: Model, planned: dict) -> None:
 
 def validate_here(config: Config) -> dict:
   """Plans a small model for this machine and runs it: predicted vs
-  measured step time (the cxl tier EMULATED behind --validate_link), the
+  measured step time (the cxl tier EMULATED behind --link_bandwidth), the
   compute measured in the step and timed segment by segment."""
   model_config = gpt2.tiny(vocab_size=4096, n_embd=128, n_layer=4, n_ctx=64)
   # Each transfer here also holds the link for the copy engine's round
   # trip (measured).
-  round_trip = transfer_estimate.round_trip_seconds()
+  round_trip = planning.round_trip_seconds()
   here = dataclasses.replace(
       config, host_dram=0, nvme=None, host_link=config.validate_link,
       cxl=((1 << 40, config.validate_link),), device_memory=1 << 30,
@@ -355,7 +348,7 @@ def validate_here(config: Config) -> dict:
   planned = plan_model(models["measured"], here)
   choice = planned["choice"]
   # The same plan on the segments timed alone.
-  alone = costmodel.simulate(
+  alone = planning.simulate(
       placed(models["timed"].segments, planned["placement"]),
       choice.prefetch, planned["links"], choice.chunk_bytes).step_s
   link = jcxl.LinkModel(config.validate_link, config.latency_s)
@@ -364,8 +357,8 @@ def validate_here(config: Config) -> dict:
   train_step = exp_common.make_train_step(gpt2.make_loss(model_config), tx)
   batch = gpt2.example_batch(model_config, batch_size=8, seq_len=64)
 
-  schedule = schedule_lib.LayerSchedule.of(choice.prefetch,
-                                           choice.chunk_bytes, name="plan")
+  schedule = jcxl.LayerSchedule.of(choice.prefetch, choice.chunk_bytes,
+                                   name="plan")
   with jcxl.Pool(host="16MiB", cxl="1GiB", cxl_link=link) as pool:
     label = pool.stats()["cxl"].label()
     state = (jcxl.place(params, "cxl", pool=pool),
@@ -394,7 +387,7 @@ def validate_here(config: Config) -> dict:
 
 
 def run(config: Config) -> dict:
-  matmul_rate, _ = compute_estimate.device_rates()
+  matmul_rate, _ = planning.device_rates()
   scale = (matmul_rate / (config.device_tflops * 1e12)
            if config.device_tflops else 1.0)
   model_config = model_config_of(config)

@@ -1,4 +1,4 @@
-"""PNG plots of a training run (experiments/train.py), matplotlib's Agg.
+"""PNG plots of a training run (experiments.train), matplotlib's Agg.
 
 Figures are built with ``matplotlib.figure.Figure`` rather than pyplot: no
 global figure state and no display backend, so plotting works on a headless

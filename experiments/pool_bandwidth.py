@@ -16,7 +16,7 @@ Acceptance targets, printed as PASS/FAIL lines:
 Command line (the defaults; about 15 s on a 2-core machine):
 
   python experiments/pool_bandwidth.py --size=256MiB --repeats=3 \
-      --tiers=host,cxl,nvme --cxl_bandwidth=4GB/s --cxl_latency_us=2 \
+      --tiers=host,cxl,nvme --link_bandwidth=4GB/s --link_latency_us=2 \
       --nvme_dir=./build/nvme-bench --json_out=runs/pool_bandwidth.json
 """
 
@@ -32,14 +32,13 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from benchmarks import bench
 import jcxl
 from experiments import common
-from jcxl._src import bench
-from jcxl._src.pool import Tier
-from jcxl._src.pool import as_tier
-from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bandwidth
-from jcxl._src.units import parse_bytes
+from experiments import flags as shared_flags
+from jcxl import Tier
+from jcxl.units import format_bytes
+from jcxl.units import parse_bytes
 
 _SIZE = flags.DEFINE_string(
     "size", "256MiB", "Bytes per transfer, e.g. '256MiB' (a multiple of 4096).")
@@ -48,23 +47,18 @@ _REPEATS = flags.DEFINE_integer(
     lower_bound=1)
 _TIERS = flags.DEFINE_list(
     "tiers", ["host", "cxl", "nvme"], "Pool tiers to measure, in order.")
-_CXL_BANDWIDTH = flags.DEFINE_string(
-    "cxl_bandwidth", "4GB/s",
-    "Link bandwidth of the emulated cxl tier; keep it below memcpy speed so "
-    "that the link, not the copy, is what binds.")
-_CXL_LATENCY_US = flags.DEFINE_float(
-    "cxl_latency_us", 2.0, "Per-transfer latency of the emulated cxl link.",
-    lower_bound=0.0)
-_NVME_DIR = flags.DEFINE_string(
-    "nvme_dir", "./build/nvme-bench",
-    "Directory on a real disk for the nvme tier and the dd baseline; created "
-    "if missing. Not tmpfs: it has no O_DIRECT.")
-_JSON_OUT = flags.DEFINE_string(
-    "json_out", None, "Optional path to write the results to as JSON.")
-_DRY_RUN = flags.DEFINE_boolean(
-    "dry_run", False,
-    f"Tiny sizes ({format_bytes(1 << 20)}, one repetition): checks that the "
-    "program runs; its PASS/FAIL lines mean nothing.")
+_LINK_BANDWIDTH = shared_flags.link_bandwidth(
+    default="4GB/s", help_text="Bandwidth of the emulated cxl link; keep it "
+    "below memcpy speed so that the link, not the copy, is what binds.")
+_LINK_LATENCY_US = shared_flags.link_latency_us(lower_bound=0.0)
+_NVME_DIR = shared_flags.nvme_dir(
+    default="./build/nvme-bench", help_text="Directory on a real disk for "
+    "the nvme tier and the dd baseline; created if missing. Not tmpfs: it "
+    "has no O_DIRECT.")
+_JSON_OUT = shared_flags.json_out()
+_DRY_RUN = shared_flags.dry_run(
+    help_text=f"Tiny sizes ({format_bytes(1 << 20)}, one repetition): checks "
+    "that the program runs; its PASS/FAIL lines mean nothing.")
 
 DRY_RUN_SIZE = 1 << 20
 TARGET_RATIO = 0.9
@@ -125,10 +119,8 @@ def config_from_flags() -> Config:
   Raises:
     ValueError: naming the flag whose value cannot be parsed.
   """
-  tiers = tuple(as_tier(t.strip(), name="--tiers") for t in _TIERS.value)
-  link = jcxl.LinkModel(
-      bandwidth=parse_bandwidth(_CXL_BANDWIDTH.value, name="--cxl_bandwidth"),
-      latency_s=_CXL_LATENCY_US.value * 1e-6)
+  tiers = tuple(Tier.parse(t.strip(), name="--tiers") for t in _TIERS.value)
+  link = shared_flags.link(_LINK_BANDWIDTH, _LINK_LATENCY_US)
   dry_run = _DRY_RUN.value
   return Config(
       size=DRY_RUN_SIZE if dry_run else parse_bytes(_SIZE.value,

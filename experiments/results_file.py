@@ -27,7 +27,7 @@ from typing import Any
 
 from absl import logging
 
-from jcxl._src import bench
+from benchmarks import bench
 
 RESULTS_DIR_ENV = "JCXL_RESULTS_DIR"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -55,15 +55,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import bench
 import jcxl
 from experiments import common
-from jcxl._src import bench
-from jcxl._src.placement import place
-from jcxl._src.pool import TransferRecord
-from jcxl._src.stream import fetch
-from jcxl._src.stream import layer_scan
-from jcxl._src.units import format_bandwidth
-from jcxl._src.units import format_bytes
+from experiments import flags as shared_flags
+from jcxl import fetch
+from jcxl import layer_scan
+from jcxl import place
+from jcxl import TransferRecord
+from jcxl.units import format_bandwidth
+from jcxl.units import format_bytes
 
 # The program's flags live in a FlagValues of its own, not absl's global one:
 # tests import several experiments into one process, and others define
@@ -76,9 +77,9 @@ _LAYERS = flags.DEFINE_integer(
 _DIM = flags.DEFINE_integer(
     "dim", 1024, "Width D of each layer (weights D x D float32).",
     lower_bound=1, flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer(
-    "batch", 256, "Rows of the activations [B, D]; sets compute per layer.",
-    lower_bound=1, flag_values=FLAGS)
+_BATCH = shared_flags.batch(
+    FLAGS, default=256, help_text="Rows of the activations [B, D]; sets "
+    "compute per layer.", lower_bound=1)
 _PREFETCH = flags.DEFINE_list(
     "prefetch", ["1", "2"],
     "Prefetch distances to time (each >= 1 and < --layers); the synchronous "
@@ -92,20 +93,14 @@ _COPY_THREADS = flags.DEFINE_integer(
         "copy_threads"].default,
     "Copy-engine threads of the pool (they share the cores with XLA).",
     lower_bound=1, flag_values=FLAGS)
-_LINK_LATENCY_US = flags.DEFINE_float(
-    "link_latency_us", 2.0, "Per-transfer latency of the emulated cxl link.",
-    lower_bound=0.0, flag_values=FLAGS)
+_LINK_LATENCY_US = shared_flags.link_latency_us(FLAGS, lower_bound=0.0)
 _FETCH_ITERS = flags.DEFINE_integer(
     "fetch_iters", 2000, "Iterations of the 4 KiB fetch loop.",
     lower_bound=1, flag_values=FLAGS)
-_JSON_OUT = flags.DEFINE_string(
-    "json_out", None, "Optional path to write the results to as JSON.",
-    flag_values=FLAGS)
-_DRY_RUN = flags.DEFINE_boolean(
-    "dry_run", False,
-    "Tiny sizes, one repetition: checks that the program runs; its PASS/FAIL "
-    "lines mean nothing.",
-    flag_values=FLAGS)
+_JSON_OUT = shared_flags.json_out(FLAGS)
+_DRY_RUN = shared_flags.dry_run(
+    FLAGS, help_text="Tiny sizes, one repetition: checks that the program "
+    "runs; its PASS/FAIL lines mean nothing.")
 
 OVERLAP_LIMIT = 1.15  # streamed step time / resident step time, at most
 SPEEDUP_LIMIT = 1.6  # sync step time / streamed step time, at least

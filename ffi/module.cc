@@ -6,8 +6,10 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unordered_map.h>
 #include <nanobind/stl/vector.h>
 
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -91,29 +93,91 @@ int64_t SecondsToNs(double seconds) {
   return seconds > 1e9 ? INT64_MAX : static_cast<int64_t>(seconds * 1e9);
 }
 
-nb::dict AllocatorStatsDict(const AllocatorStats& s) {
-  nb::dict d;
-  d["capacity"] = s.capacity;
-  d["reserved"] = s.reserved;
-  d["live"] = s.live;
-  d["hole_bytes"] = s.hole_bytes;
-  d["largest_hole"] = s.largest_hole;
-  d["largest_free"] = s.largest_free;
-  d["external_fragmentation"] = s.external_fragmentation();
-  d["slab_objects"] = s.slab_objects;
-  d["extent_objects"] = s.extent_objects;
-  d["slab_spans"] = s.slab_spans;
-  d["allocations"] = s.allocations;
-  d["frees"] = s.frees;
-  d["alloc_ns_total"] = s.alloc_ns_total;
-  d["alloc_ns_max"] = s.alloc_ns_max;
-  return d;
+// Handler symbols by FFI target name, as capsules for jax.ffi.
+nb::dict Capsules(
+    std::initializer_list<std::pair<const char*, XLA_FFI_Handler*>> targets) {
+  nb::dict out;
+  for (const auto& [name, handler] : targets) {
+    out[name] = nb::capsule(reinterpret_cast<void*>(handler));
+  }
+  return out;
 }
 
-nb::tuple RecordTuple(const TransferRecord& r) {
-  return nb::make_tuple(r.id, r.handle, r.tier, r.node,
-                        static_cast<int>(r.direction), r.bytes, r.priority,
-                        r.queued_ns, r.started_ns, r.finished_ns, r.ok);
+// The core's plain result structs, bound read-only: Python reads their
+// fields by name (jcxl/_src/pool.py turns them into its own types).
+void BindResults(nb::module_& m) {
+  nb::class_<AllocatorStats>(m, "AllocatorStats")
+      .def_ro("capacity", &AllocatorStats::capacity)
+      .def_ro("reserved", &AllocatorStats::reserved)
+      .def_ro("live", &AllocatorStats::live)
+      .def_ro("hole_bytes", &AllocatorStats::hole_bytes)
+      .def_ro("largest_hole", &AllocatorStats::largest_hole)
+      .def_ro("largest_free", &AllocatorStats::largest_free)
+      .def_prop_ro("external_fragmentation",
+                   &AllocatorStats::external_fragmentation)
+      .def_ro("slab_objects", &AllocatorStats::slab_objects)
+      .def_ro("extent_objects", &AllocatorStats::extent_objects)
+      .def_ro("slab_spans", &AllocatorStats::slab_spans)
+      .def_ro("allocations", &AllocatorStats::allocations)
+      .def_ro("frees", &AllocatorStats::frees)
+      .def_ro("alloc_ns_total", &AllocatorStats::alloc_ns_total)
+      .def_ro("alloc_ns_max", &AllocatorStats::alloc_ns_max);
+
+  nb::class_<ArenaStats>(m, "ArenaStats")
+      .def_ro("node", &ArenaStats::node)
+      .def_ro("weight", &ArenaStats::weight)
+      .def_ro("description", &ArenaStats::description)
+      .def_ro("allocator", &ArenaStats::allocator);
+
+  // Tiers and directions as their indices (TierKind, Direction).
+  nb::class_<TierStats>(m, "TierStats")
+      .def_prop_ro("tier",
+                   [](const TierStats& t) { return static_cast<int>(t.kind); })
+      .def_ro("enabled", &TierStats::enabled)
+      .def_ro("emulated", &TierStats::emulated)
+      .def_ro("link_bytes_per_second", &TierStats::link_bytes_per_second)
+      .def_ro("link_latency_ns", &TierStats::link_latency_ns)
+      .def_ro("bytes_read", &TierStats::bytes_read)
+      .def_ro("bytes_written", &TierStats::bytes_written)
+      .def_ro("arenas", &TierStats::arenas);
+
+  nb::class_<ObjectInfo>(m, "ObjectInfo")
+      .def_ro("handle", &ObjectInfo::handle)
+      .def_prop_ro("tier",
+                   [](const ObjectInfo& o) { return static_cast<int>(o.tier); })
+      .def_ro("node", &ObjectInfo::node)
+      .def_ro("offset", &ObjectInfo::offset)
+      .def_ro("bytes", &ObjectInfo::bytes)
+      .def_ro("slab", &ObjectInfo::slab)
+      .def_ro("shape", &ObjectInfo::shape)
+      .def_ro("dtype", &ObjectInfo::dtype);
+
+  nb::class_<TransferRecord>(m, "TransferRecord")
+      .def_ro("id", &TransferRecord::id)
+      .def_ro("handle", &TransferRecord::handle)
+      .def_ro("tier", &TransferRecord::tier)
+      .def_ro("node", &TransferRecord::node)
+      .def_prop_ro("to_pool",
+                   [](const TransferRecord& r) {
+                     return r.direction == Direction::kToPool;
+                   })
+      .def_ro("bytes", &TransferRecord::bytes)
+      .def_ro("priority", &TransferRecord::priority)
+      .def_ro("queued_ns", &TransferRecord::queued_ns)
+      .def_ro("started_ns", &TransferRecord::started_ns)
+      .def_ro("finished_ns", &TransferRecord::finished_ns)
+      .def_ro("ok", &TransferRecord::ok);
+
+  nb::class_<StreamWait>(m, "StreamWait")
+      .def_ro("record", &StreamWait::record)
+      .def_ro("wait_started_ns", &StreamWait::wait_started_ns)
+      .def_ro("wait_ns", &StreamWait::wait_ns);
+
+  nb::class_<WaitTotals>(m, "WaitTotals")
+      .def_ro("bytes_to_pool", &WaitTotals::bytes_to_pool)
+      .def_ro("bytes_from_pool", &WaitTotals::bytes_from_pool)
+      .def_ro("wait_ns", &WaitTotals::wait_ns)
+      .def_ro("transfers", &WaitTotals::transfers);
 }
 
 // An allocator alone, without memory, for replaying allocation traces:
@@ -166,8 +230,8 @@ class ReplayAllocator {
     }
     live_.erase(it);
   }
-  nb::dict Stats() {
-    if (hybrid_) return AllocatorStatsDict(hybrid_->Stats());
+  AllocatorStats Stats() {
+    if (hybrid_) return hybrid_->Stats();
     AllocatorStats s;
     s.capacity = baseline_->capacity();
     s.reserved = baseline_->top();
@@ -179,7 +243,7 @@ class ReplayAllocator {
     s.allocations = baseline_allocations_;
     s.alloc_ns_total = baseline_ns_total_;
     s.alloc_ns_max = baseline_ns_max_;
-    return AllocatorStatsDict(s);
+    return s;
   }
 
  private:
@@ -210,6 +274,8 @@ NB_MODULE(_jcxl, m) {
       PyErr_SetString(cls.ptr(), e.status.message().c_str());
     }
   });
+
+  BindResults(m);
 
   nb::class_<TierConfig>(m, "TierConfig")
       .def(nb::init<>())
@@ -260,7 +326,7 @@ NB_MODULE(_jcxl, m) {
              return t.done();
            })
       .def("cancel", &Ticket::Cancel)
-      .def("record", [](Ticket& t) { return RecordTuple(t.record()); });
+      .def("record", &Ticket::record);
 
   nb::class_<Pool>(m, "Pool")
       .def_static("create",
@@ -325,19 +391,7 @@ NB_MODULE(_jcxl, m) {
            nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
            nb::arg("owner"))
       .def("info",
-           [](Pool& p, int32_t handle) {
-             ObjectInfo info = Unwrap(p.Info(handle));
-             nb::dict d;
-             d["handle"] = info.handle;
-             d["tier"] = static_cast<int>(info.tier);
-             d["node"] = info.node;
-             d["offset"] = info.offset;
-             d["bytes"] = info.bytes;
-             d["slab"] = info.slab;
-             d["shape"] = info.shape;
-             d["dtype"] = info.dtype;
-             return d;
-           })
+           [](Pool& p, int32_t handle) { return Unwrap(p.Info(handle)); })
       .def("handles", &Pool::Handles)
       .def("page_nodes",
            [](Pool& p, int32_t handle) { return Unwrap(p.PageNodes(handle)); })
@@ -371,39 +425,8 @@ NB_MODULE(_jcxl, m) {
              ThrowIfError(p.SetLink(static_cast<TierKind>(tier),
                                     bytes_per_second, latency_ns));
            })
-      .def("stats",
-           [](Pool& p) {
-             nb::list tiers;
-             for (const TierStats& t : p.Stats()) {
-               nb::dict d;
-               d["tier"] = static_cast<int>(t.kind);
-               d["enabled"] = t.enabled;
-               d["emulated"] = t.emulated;
-               d["link_bytes_per_second"] = t.link_bytes_per_second;
-               d["link_latency_ns"] = t.link_latency_ns;
-               d["bytes_read"] = t.bytes_read;
-               d["bytes_written"] = t.bytes_written;
-               nb::list arenas;
-               for (const ArenaStats& a : t.arenas) {
-                 nb::dict ad = AllocatorStatsDict(a.allocator);
-                 ad["node"] = a.node;
-                 ad["weight"] = a.weight;
-                 ad["description"] = a.description;
-                 arenas.append(ad);
-               }
-               d["arenas"] = arenas;
-               tiers.append(d);
-             }
-             return tiers;
-           })
-      .def("drain_records",
-           [](Pool& p) {
-             nb::list out;
-             for (const TransferRecord& r : p.DrainRecords()) {
-               out.append(RecordTuple(r));
-             }
-             return out;
-           })
+      .def("stats", &Pool::Stats)
+      .def("drain_records", &Pool::DrainRecords)
       .def("close", [](Pool& p, double timeout_s) {
         const int64_t timeout_ns = SecondsToNs(timeout_s);
         Status status;
@@ -428,39 +451,22 @@ NB_MODULE(_jcxl, m) {
 
   m.def("now_ns", &NowNs, "The copy engine's clock (steady, ns).");
 
-  m.def("drain_stream_waits", []() {
-    nb::list out;
-    for (const StreamWait& w : DrainStreamWaits()) {
-      out.append(nb::make_tuple(RecordTuple(w.record), w.wait_started_ns,
-                                w.wait_ns));
-    }
-    return out;
-  });
+  m.def("drain_stream_waits", &DrainStreamWaits);
 
   m.def("clear_stream_waits", &ClearStreamWaits,
         "Forgets the logged waits (not the totals) without returning them.");
 
-  m.def("drain_wait_totals", []() {
-    nb::dict out;
-    for (const auto& [handle, t] : DrainWaitTotals()) {
-      out[nb::int_(handle)] = nb::make_tuple(t.bytes_to_pool, t.bytes_from_pool,
-                                             t.wait_ns, t.transfers);
-    }
-    return out;
-  }, "Per object handle: (bytes to the pool, bytes from it, ns waited, "
-     "transfers) of the waits since the last call.");
+  m.def("drain_wait_totals", &DrainWaitTotals,
+        "Per object handle: its WaitTotals since the last call.");
 
   // XLA FFI targets, registered for the CPU platform by jcxl/__init__.py.
   m.def("registrations", []() {
-    nb::dict targets;
-    targets["jcxl_fetch_start"] = nb::capsule(reinterpret_cast<void*>(kFetchStart));
-    targets["jcxl_fetch_done"] = nb::capsule(reinterpret_cast<void*>(kFetchDone));
-    targets["jcxl_fetch_start_into"] =
-        nb::capsule(reinterpret_cast<void*>(kFetchStartInto));
-    targets["jcxl_after"] = nb::capsule(reinterpret_cast<void*>(kAfter));
-    targets["jcxl_store_start"] = nb::capsule(reinterpret_cast<void*>(kStoreStart));
-    targets["jcxl_store_done"] = nb::capsule(reinterpret_cast<void*>(kStoreDone));
-    return targets;
+    return Capsules({{"jcxl_fetch_start", kFetchStart},
+                     {"jcxl_fetch_done", kFetchDone},
+                     {"jcxl_fetch_start_into", kFetchStartInto},
+                     {"jcxl_after", kAfter},
+                     {"jcxl_store_start", kStoreStart},
+                     {"jcxl_store_done", kStoreDone}});
   });
 
   // The same targets for XLA's CUDA platform, where jcxl was built with the
@@ -468,19 +474,12 @@ NB_MODULE(_jcxl, m) {
 #ifdef JCXL_WITH_CUDA
   m.attr("cuda_built") = true;
   m.def("cuda_registrations", []() {
-    nb::dict targets;
-    targets["jcxl_fetch_start"] =
-        nb::capsule(reinterpret_cast<void*>(cuda::kCudaFetchStart));
-    targets["jcxl_fetch_done"] =
-        nb::capsule(reinterpret_cast<void*>(cuda::kCudaFetchDone));
-    targets["jcxl_fetch_start_into"] =
-        nb::capsule(reinterpret_cast<void*>(cuda::kCudaFetchStartInto));
-    targets["jcxl_after"] = nb::capsule(reinterpret_cast<void*>(cuda::kCudaAfter));
-    targets["jcxl_store_start"] =
-        nb::capsule(reinterpret_cast<void*>(cuda::kCudaStoreStart));
-    targets["jcxl_store_done"] =
-        nb::capsule(reinterpret_cast<void*>(cuda::kCudaStoreDone));
-    return targets;
+    return Capsules({{"jcxl_fetch_start", cuda::kCudaFetchStart},
+                     {"jcxl_fetch_done", cuda::kCudaFetchDone},
+                     {"jcxl_fetch_start_into", cuda::kCudaFetchStartInto},
+                     {"jcxl_after", cuda::kCudaAfter},
+                     {"jcxl_store_start", cuda::kCudaStoreStart},
+                     {"jcxl_store_done", cuda::kCudaStoreDone}});
   });
   m.def("cuda_device_count", &cuda::DeviceCount);
   m.def("cuda_flush", &cuda::Flush,

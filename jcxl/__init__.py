@@ -16,39 +16,78 @@ from jcxl._src.placement import gather as gather
 from jcxl._src.placement import place as place
 from jcxl._src.pool_init import init_in_pool as init_in_pool
 from jcxl._src.pool_init import tiers_by_reads as tiers_by_reads
+from jcxl._src.pool import DEFAULT_CXL_LINK as DEFAULT_CXL_LINK
 from jcxl._src.pool import LinkModel as LinkModel
 from jcxl._src.pool import Pool as Pool
 from jcxl._src.pool import Tier as Tier
+from jcxl._src.pool import TransferRecord as TransferRecord
 from jcxl._src.pool_array import PoolArray as PoolArray
+from jcxl._src.profile import LayerProfile as LayerProfile
+from jcxl._src.profile import StepProfile as StepProfile
+from jcxl._src.registry import cuda_available as cuda_available
+from jcxl._src.schedule import LayerPlan as LayerPlan
+from jcxl._src.schedule import LayerSchedule as LayerSchedule
+from jcxl._src.schedule import Plan as Plan
 from jcxl._src.stream import fetch as fetch
+from jcxl._src.stream import layer_scan as layer_scan
 from jcxl._src.stream import store as store
+from jcxl._src.stream import streamed_scan as streamed_scan
+from jcxl._src.transform import LayerReport as LayerReport
+from jcxl._src.transform import OffloadedStep as OffloadedStep
 from jcxl._src.transform import cxl_offload as cxl_offload
+from jcxl._src.tuner import Tuner as Tuner
+from jcxl._src.tuner import TunerEvent as TunerEvent
+from jcxl._src.tuner import TunerOptions as TunerOptions
 from jcxl import distributed as distributed
+from jcxl import planning as planning
 from jcxl import topology as topology
+from jcxl import units as units
 
 __all__ = [
+    # Errors.
     "CheckpointCorruptError",
     "JcxlError",
-    "LinkModel",
-    "Pool",
-    "PoolArray",
     "PoolClosedError",
     "PoolExhaustedError",
     "PoolMismatchError",
-    "Tier",
     "TierIOError",
     "TransferTimeoutError",
     "UnknownHandleError",
-    "checkpoint",
-    "cxl_offload",
-    "distributed",
-    "fetch",
+    # The pool and what lives in it.
+    "DEFAULT_CXL_LINK",
+    "LinkModel",
+    "Pool",
+    "PoolArray",
+    "Tier",
+    "TransferRecord",
     "gather",
     "init_in_pool",
     "place",
+    # Streaming inside a jitted function.
+    "fetch",
+    "layer_scan",
     "store",
+    "streamed_scan",
     "tiers_by_reads",
+    # Offloaded steps and what they report.
+    "LayerPlan",
+    "LayerProfile",
+    "LayerReport",
+    "LayerSchedule",
+    "OffloadedStep",
+    "Plan",
+    "StepProfile",
+    "Tuner",
+    "TunerEvent",
+    "TunerOptions",
+    "cxl_offload",
+    "cuda_available",
+    # Modules.
+    "checkpoint",
+    "distributed",
+    "planning",
     "topology",
+    "units",
 ]
 
 

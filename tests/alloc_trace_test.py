@@ -1,4 +1,4 @@
-"""Tests for jcxl._src.alloc_trace: model shapes, traces and their replay."""
+"""Tests for benchmarks.alloc_trace: model shapes, traces and their replay."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from benchmarks import alloc_trace
 from experiments import alloc_trace as program
 from jcxl import PoolExhaustedError
-from jcxl._src import alloc_trace
 
 FRAGMENTATION_LIMIT = 0.05
 LIVE_OVER_RESERVED_LIMIT = 0.95
@@ -189,7 +189,7 @@ class ProgramConfigTest:
 
   def _config(self, **changes) -> program.Config:
     config = program.Config(models=("gpt2",), steps=3, dtype="float32",
-                            batch=8, seed=0, donate=True, out=None)
+                            batch=8, seed=0, donate=True, run_dir=None)
     return dataclasses.replace(config, **changes)
 
   def test_unknown_model_is_rejected_with_the_choices(self):

@@ -1,4 +1,4 @@
-"""Tests for jcxl._src.bench and a dry run of experiments/pool_bandwidth.py."""
+"""Tests for benchmarks.bench and a dry run of experiments/pool_bandwidth.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 
+from benchmarks import bench
 from experiments import pool_bandwidth
-from jcxl._src import bench
 
 FLAGS = flags.FLAGS
 
@@ -194,8 +194,8 @@ class PoolBandwidthTest:
   def test_dry_run_reports_every_tier_and_target(self, tmp_path, capsys):
     json_out = tmp_path / "out" / "results.json"
     with flagsaver.flagsaver(dry_run=True, nvme_dir=str(tmp_path / "nvme"),
-                             json_out=str(json_out), cxl_bandwidth="2GB/s",
-                             cxl_latency_us=3.0):
+                             json_out=str(json_out), link_bandwidth="2GB/s",
+                             link_latency_us=3.0):
       pool_bandwidth.main(["pool_bandwidth"])
     text = capsys.readouterr().out
     results = json.loads(json_out.read_text())
@@ -241,8 +241,8 @@ class PoolBandwidthTest:
       ({"size": "lots"}, "--size must be a byte count"),
       ({"size": "1000"}, "--size must be a positive multiple of 4096"),
       ({"size": "0"}, "--size must be a positive multiple"),
-      ({"cxl_bandwidth": "fast"}, "--cxl_bandwidth must end in '/s'"),
-      ({"cxl_bandwidth": "0GB/s"}, "--cxl_bandwidth must be positive"),
+      ({"link_bandwidth": "fast"}, "--link_bandwidth must end in '/s'"),
+      ({"link_bandwidth": "0GB/s"}, "--link_bandwidth must be positive"),
   ])
   def test_bad_flags_are_rejected(self, overrides, match, tmp_path):
     with flagsaver.flagsaver(nvme_dir=str(tmp_path), **overrides):

@@ -507,7 +507,7 @@ def _train_step(model, tx):
 # ------------------------------------------------- experiments.train resume
 
 
-TRAIN = ("--model=gpt2-tiny", "--steps=6", "--batch_size=2", "--seq_len=16",
+TRAIN = ("--model=gpt2-tiny", "--steps=6", "--batch=2", "--seq_len=16",
          "--warmup_steps=2", "--eval_every=3", "--eval_batches=2",
          "--log_every=1", "--data_bytes=256KiB", "--device_budget=8MiB",
          "--seed=3", "--checkpoint_every=2", "--keep_checkpoints=3",
@@ -605,7 +605,7 @@ class TrainResumeTest:
 
   def test_resume_with_other_settings_is_rejected(self, tmp_path):
     from absl import app  # pylint: disable=g-import-not-at-top
-    config = {"model": "gpt2-tiny", "steps": 6, "batch_size": 2,
+    config = {"model": "gpt2-tiny", "steps": 6, "batch": 2,
               "seq_len": 16, "learning_rate": 3e-3, "warmup_steps": 2,
               "seed": 3, "data_bytes": 256 << 10}
     checkpoints = tmp_path / "run" / "checkpoints"

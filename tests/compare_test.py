@@ -64,7 +64,7 @@ class CompareExperimentTest:
       (["--widths=100"], "not a positive multiple of 64"),
       (["--widths=64", "--device_budget=1KiB"], "smaller than one layer"),
       (["--nvme_dir=/nonexistent/jcxl"], "does not exist"),
-      (["--cxl_bandwidth=fast"], "cxl_bandwidth"),
+      (["--link_bandwidth=fast"], "--link_bandwidth"),
   ])
   def test_bad_flags(self, config, tmp_path, args, message):
     with pytest.raises(app.UsageError, match=message):

@@ -24,7 +24,7 @@ class DapExperimentTest:
   def test_small_run_writes_table_plots_and_slowdown(self, run_program,
                                                      tmp_path):
     out = tmp_path / "run"
-    results = run_program("--models=one_big", "--bandwidths=4GB/s",
+    results = run_program("--models=one_big", "--link_bandwidths=4GB/s",
                           "--schedules=sync,fixed:1,dap", "--steps=2",
                           "--confirm_rounds=0", "--solo_steps=3",
                           "--tune_steps=8", "--slowdown=2",
@@ -123,8 +123,8 @@ class DapExperimentTest:
       run_program(*args)
 
   def test_bad_bandwidth_flag(self, run_program):
-    with pytest.raises(app.UsageError, match="--bandwidths"):
-      run_program("--bandwidths=fast")
+    with pytest.raises(app.UsageError, match="--link_bandwidths"):
+      run_program("--link_bandwidths=fast")
 
 
 def _sleeper(seconds):

@@ -20,6 +20,7 @@ from jcxl._src import costmodel
 from jcxl._src import profile as profile_lib
 from jcxl._src import schedule as schedule_lib
 from jcxl._src import tuner as tuner_lib
+from jcxl._src.pool import Tier
 from jcxl._src.pool import TransferRecord
 
 MiB = 1 << 20
@@ -152,9 +153,8 @@ class PlannerTest:
 
 
 def wait(handle, nbytes, started, wait_ns, to_pool=False, tier="cxl"):
-  record = TransferRecord.from_tuple(
-      (0, handle, ["host", "cxl", "nvme"].index(tier), 0, 0 if to_pool else 1,
-       nbytes, 0, started - 100, started - 90, started + wait_ns, True))
+  record = TransferRecord(0, handle, Tier(tier), 0, to_pool, nbytes, 0,
+                          started - 100, started - 90, started + wait_ns, True)
   return profile_lib.Wait(record, started, wait_ns)
 
 

@@ -26,7 +26,7 @@ from tests import multiprocess_worker
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GPT-2-tiny, FSDP over 8 devices (each array's last axis split 8 ways where
 # it divides), batch rows over the devices, state in the cxl tier.
-TRAIN = ("--model=gpt2-tiny", "--steps=3", "--batch_size=8", "--seq_len=32",
+TRAIN = ("--model=gpt2-tiny", "--steps=3", "--batch=8", "--seq_len=32",
          "--warmup_steps=1", "--eval_every=3", "--eval_batches=1",
          "--log_every=1", "--data_bytes=512KiB", "--tier=cxl",
          "--checkpoint_every=3")
@@ -240,7 +240,7 @@ class FailureTest:
   def test_pools_that_disagree_fail_at_start(self, tmp_path):
     run_dir = str(tmp_path)
     with processes(run_dir, *TRAIN,
-                   per_process=((), ("--link_gbps=8",))) as procs:
+                   per_process=((), ("--link_bandwidth=8GB/s",))) as procs:
       codes = wait_all(procs, 120)
     assert codes == [1, 1]
     for proc in procs:
@@ -284,6 +284,6 @@ class ClusterFlagsTest:
       train.FLAGS(["train", "--num_processes=2", "--process_id=2"])
       with pytest.raises(ValueError, match=r"--process_id must be less "
                          r"than --num_processes \(2\), but got 2"):
-        cluster.initialize(train._CLUSTER)  # pylint: disable=protected-access
+        cluster.initialize(train.CLUSTER)
     finally:
       flagsaver.restore_flag_values(saved, train.FLAGS)

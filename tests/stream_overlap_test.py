@@ -9,8 +9,8 @@ from absl import app
 from absl.testing import flagsaver
 import pytest
 
+from benchmarks import bench
 from experiments import stream_overlap
-from jcxl._src import bench
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""experiments/train.py: a tiny run in each mode, its files, its flag checks."""
+"""experiments.train: a tiny run in each mode, its files, its flag checks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from experiments import train
 
-TINY = ("--model=gpt2-tiny", "--steps=6", "--batch_size=2", "--seq_len=16",
+TINY = ("--model=gpt2-tiny", "--steps=6", "--batch=2", "--seq_len=16",
         "--warmup_steps=2", "--eval_every=3", "--eval_batches=2",
         "--log_every=1", "--data_bytes=256KiB", "--device_budget=8MiB",
         "--seed=3")
@@ -155,8 +155,9 @@ class TrainFlagsTest:
       (["--tier=ssd"], r"--tier must be one of"),
       (["--seq_len=65"], r"--seq_len 65 is longer than --model gpt2-tiny"),
       (["--warmup_steps=6"], r"--warmup_steps must be >= 0 and less than"),
-      (["--batch_size=0"], r"--batch_size must be positive"),
-      (["--link_gbps=0"], r"--link_gbps must be positive"),
+      (["--batch=0"], r"--batch must be positive"),
+      (["--link_bandwidth=0GB/s"], r"--link_bandwidth must be positive"),
+      (["--link_latency_us=-1"], r"--link_latency_us must be >= 0"),
   ])
   def test_bad_flags_are_usage_errors(self, tmp_path, args, match):
     with pytest.raises(app.UsageError, match=match):

@@ -49,10 +49,10 @@ cmake --build "${build}" -j "$(nproc)" --target _jcxl
 cp "${build}"/_jcxl*.so "${root}/jcxl/"
 
 "${python}" - <<'EOF'
+import jcxl
 from jcxl import _jcxl
-from jcxl._src import registry
 assert _jcxl.cuda_built, "the extension was built without its CUDA handlers"
-assert registry.cuda_available(), "jcxl's CUDA handlers see no GPU"
+assert jcxl.cuda_available(), "jcxl's CUDA handlers see no GPU"
 print("=== gpu_check: CUDA handlers built;", _jcxl.cuda_device_count(),
       "device(s)")
 EOF

@@ -54,19 +54,24 @@ class Tier(str, enum.Enum):
   def index(self) -> int:
     return _TIER_INDEX[self]
 
+  @classmethod
+  def parse(cls, value: str | Tier, *, name: str = "tier") -> Tier:
+    """The tier named `value`; a ValueError naming `name` if none is."""
+    try:
+      return cls(value)
+    except ValueError:
+      choices = ", ".join(repr(t.value) for t in cls)
+      raise ValueError(f"{name} must be one of {choices}, but got {value!r}"
+                       ) from None
+
 
 _TIER_INDEX = {Tier.HOST: 0, Tier.CXL: 1, Tier.NVME: 2}
 _TIERS_BY_INDEX = {i: t for t, i in _TIER_INDEX.items()}
 
 
 def as_tier(value: str | Tier, *, name: str = "tier") -> Tier:
-  """Validates a tier name."""
-  try:
-    return Tier(value)
-  except ValueError:
-    choices = ", ".join(repr(t.value) for t in Tier)
-    raise ValueError(f"{name} must be one of {choices}, but got {value!r}"
-                     ) from None
+  """Validates a tier name (see Tier.parse)."""
+  return Tier.parse(value, name=name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,11 +265,11 @@ class TransferRecord:
   ok: bool
 
   @classmethod
-  def from_tuple(cls, raw: Sequence[Any]) -> TransferRecord:
-    (id_, handle, tier, node, direction, nbytes, priority, queued, started,
-     finished, ok) = raw
-    return cls(id_, handle, _TIERS_BY_INDEX[tier], node, direction == 0,
-               nbytes, priority, queued, started, finished, ok)
+  def from_engine(cls, raw: Any) -> TransferRecord:
+    """From the copy engine's record (``_jcxl.TransferRecord``)."""
+    return cls(raw.id, raw.handle, _TIERS_BY_INDEX[raw.tier], raw.node,
+               raw.to_pool, raw.bytes, raw.priority, raw.queued_ns,
+               raw.started_ns, raw.finished_ns, raw.ok)
 
   @property
   def seconds(self) -> float:
@@ -340,7 +345,7 @@ class Transfer:
 
   @property
   def record(self) -> TransferRecord:
-    return TransferRecord.from_tuple(self._ticket.record())
+    return TransferRecord.from_engine(self._ticket.record())
 
 
 @functools.lru_cache(maxsize=None)
@@ -703,10 +708,10 @@ class Pool:
 
   def info(self, handle: int) -> ObjectInfo:
     raw = self._pool.info(_as_handle(handle))
-    return ObjectInfo(handle=raw["handle"], tier=_TIERS_BY_INDEX[raw["tier"]],
-                      node=raw["node"], offset=raw["offset"],
-                      nbytes=raw["bytes"], shape=tuple(raw["shape"]),
-                      dtype=_dtype_from_name(raw["dtype"]), slab=raw["slab"])
+    return ObjectInfo(handle=raw.handle, tier=_TIERS_BY_INDEX[raw.tier],
+                      node=raw.node, offset=raw.offset, nbytes=raw.bytes,
+                      shape=tuple(raw.shape),
+                      dtype=_dtype_from_name(raw.dtype), slab=raw.slab)
 
   def handles(self) -> list[int]:
     return list(self._pool.handles())
@@ -735,45 +740,45 @@ class Pool:
   def stats(self) -> PoolStats:
     tiers = {}
     for raw in self._pool.stats():
-      tier = _TIERS_BY_INDEX[raw["tier"]]
-      arenas = raw["arenas"]
-      allocations = sum(a["allocations"] for a in arenas)
+      tier = _TIERS_BY_INDEX[raw.tier]
+      arenas = raw.arenas
+      allocs = [a.allocator for a in arenas]
+      allocations = sum(a.allocations for a in allocs)
       tiers[tier] = TierStats(
           tier=tier,
-          enabled=raw["enabled"],
-          capacity=sum(a["capacity"] for a in arenas),
-          reserved=sum(a["reserved"] for a in arenas),
-          live=sum(a["live"] for a in arenas),
-          free=sum(a["capacity"] - a["reserved"] + a["hole_bytes"]
-                   for a in arenas),
-          largest_free=max((a["largest_free"] for a in arenas), default=0),
+          enabled=raw.enabled,
+          capacity=sum(a.capacity for a in allocs),
+          reserved=sum(a.reserved for a in allocs),
+          live=sum(a.live for a in allocs),
+          free=sum(a.capacity - a.reserved + a.hole_bytes for a in allocs),
+          largest_free=max((a.largest_free for a in allocs), default=0),
           external_fragmentation=(
-              sum(a["hole_bytes"] for a in arenas) /
-              max(1, sum(a["reserved"] for a in arenas))),
-          slab_objects=sum(a["slab_objects"] for a in arenas),
-          extent_objects=sum(a["extent_objects"] for a in arenas),
+              sum(a.hole_bytes for a in allocs) /
+              max(1, sum(a.reserved for a in allocs))),
+          slab_objects=sum(a.slab_objects for a in allocs),
+          extent_objects=sum(a.extent_objects for a in allocs),
           alloc_latency_mean_ns=(
-              sum(a["alloc_ns_total"] for a in arenas) / allocations
+              sum(a.alloc_ns_total for a in allocs) / allocations
               if allocations else 0.0),
-          alloc_latency_max_ns=max((a["alloc_ns_max"] for a in arenas),
+          alloc_latency_max_ns=max((a.alloc_ns_max for a in allocs),
                                    default=0),
-          bytes_read=raw["bytes_read"],
-          bytes_written=raw["bytes_written"],
-          nodes=tuple(a["node"] for a in arenas),
-          emulated=raw["emulated"],
-          link=(LinkModel(raw["link_bytes_per_second"],
-                          raw["link_latency_ns"] * 1e-9)
-                if raw["link_bytes_per_second"] > 0 else None),
-          backing=tuple(a["description"] for a in arenas),
-          memory_tiers=(() if raw["emulated"] or tier is Tier.NVME else
-                        tuple(self._memory_tier(a["node"]) for a in arenas)),
+          bytes_read=raw.bytes_read,
+          bytes_written=raw.bytes_written,
+          nodes=tuple(a.node for a in arenas),
+          emulated=raw.emulated,
+          link=(LinkModel(raw.link_bytes_per_second,
+                          raw.link_latency_ns * 1e-9)
+                if raw.link_bytes_per_second > 0 else None),
+          backing=tuple(a.description for a in arenas),
+          memory_tiers=(() if raw.emulated or tier is Tier.NVME else
+                        tuple(self._memory_tier(a.node) for a in arenas)),
           firmware_links=self._firmware_links.get(tier, ()),
       )
     return PoolStats(pool_id=self.id, tiers=tiers)
 
   def transfer_records(self) -> list[TransferRecord]:
     """Copy-engine records finished since the last call, oldest first."""
-    return [TransferRecord.from_tuple(r) for r in self._pool.drain_records()]
+    return [TransferRecord.from_engine(r) for r in self._pool.drain_records()]
 
   def link_estimate(self, tier: str | Tier) -> LinkModel:
     """How fast `tier` moves bytes into a step, for planning.

@@ -36,8 +36,8 @@ class Wait:
 
 
 def waits_from_raw(raw: Sequence[Any]) -> list[Wait]:
-  return [Wait(TransferRecord.from_tuple(r), started, wait)
-          for r, started, wait in raw]
+  return [Wait(TransferRecord.from_engine(w.record), w.wait_started_ns,
+               w.wait_ns) for w in raw]
 
 
 @dataclasses.dataclass(frozen=True)

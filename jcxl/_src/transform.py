@@ -982,19 +982,18 @@ class OffloadedStep:
     jax.block_until_ready(self._last_results)
     registry.flush_device_transfers()
     moved = collections.defaultdict(lambda: [0, 0, 0.0, 0])
-    for handle, (to_pool, from_pool, wait_ns, transfers) in (
-        _jcxl.drain_wait_totals().items()):
+    for handle, totals in _jcxl.drain_wait_totals().items():
       name = self._groups.get(handle)
       if name is None:
         continue
       entry = moved[name]
-      entry[0] += from_pool
-      entry[1] += to_pool
+      entry[0] += totals.bytes_from_pool
+      entry[1] += totals.bytes_to_pool
       if handle in self._first_device:
         # Each device waits for its own shard at the same time: the step
         # waited what one device did, not the sum.
-        entry[2] += wait_ns * 1e-9
-      entry[3] += transfers
+        entry[2] += totals.wait_ns * 1e-9
+      entry[3] += totals.transfers
     return [LayerReport(name, *moved[name]) for name in
             (l.name for l in (self.plan.layers if self.plan else ()))
             if name in moved]

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -618,11 +619,12 @@ def default_capacity(trace: Trace) -> int:
   return math.ceil(trace.peak_live * CAPACITY_HEADROOM / 2**20) * 2**20
 
 
-def _snapshot(step: int, stats: dict) -> Snapshot:
-  return Snapshot(step=step, live=stats["live"], reserved=stats["reserved"],
-                  hole_bytes=stats["hole_bytes"],
-                  largest_free=stats["largest_free"],
-                  external_fragmentation=stats["external_fragmentation"])
+def _snapshot(step: int, stats: Any) -> Snapshot:
+  """From the allocator's ``_jcxl.AllocatorStats``."""
+  return Snapshot(step=step, live=stats.live, reserved=stats.reserved,
+                  hole_bytes=stats.hole_bytes,
+                  largest_free=stats.largest_free,
+                  external_fragmentation=stats.external_fragmentation)
 
 
 def replay(trace: Trace, policy: str, *, capacity: int | None = None,
@@ -670,10 +672,10 @@ def replay(trace: Trace, policy: str, *, capacity: int | None = None,
       live += event.nbytes
       # Only allocations can raise the live or the reserved mark.
       stats = allocator.stats()
-      alloc_ns.append(stats["alloc_ns_total"] - ns_total)
-      ns_total = stats["alloc_ns_total"]
-      peak_reserved = max(peak_reserved, stats["reserved"])
-      slab_peak = max(slab_peak, stats["slab_objects"])
+      alloc_ns.append(stats.alloc_ns_total - ns_total)
+      ns_total = stats.alloc_ns_total
+      peak_reserved = max(peak_reserved, stats.reserved)
+      slab_peak = max(slab_peak, stats.slab_objects)
       peak_live = max(peak_live, live)
       if live > step_peak:
         step_peak = live
@@ -686,11 +688,11 @@ def replay(trace: Trace, policy: str, *, capacity: int | None = None,
   final = _snapshot(step, stats)
   result = ReplayResult(
       policy=policy, alignment=alignment, capacity=capacity,
-      allocations=stats["allocations"], peak_live=peak_live,
+      allocations=stats.allocations, peak_live=peak_live,
       peak_reserved=peak_reserved, peaks=tuple(peaks), final=final,
-      mean_alloc_ns=stats["alloc_ns_total"] / max(1, stats["allocations"]),
+      mean_alloc_ns=stats.alloc_ns_total / max(1, stats.allocations),
       p99_alloc_ns=float(np.percentile(alloc_ns, 99)) if alloc_ns else 0.0,
-      max_alloc_ns=stats["alloc_ns_max"], slab_objects_peak=slab_peak)
+      max_alloc_ns=stats.alloc_ns_max, slab_objects_peak=slab_peak)
   logger.debug("replayed %s on %s: %s", trace.config.model, policy, result)
   return result
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jcxl._src.units import format_bytes
+from jcxl.units import format_bytes
 
 logger = logging.getLogger(__name__)
 

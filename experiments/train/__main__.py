@@ -1,0 +1,8 @@
+"""``python -m experiments.train``: see the package's docstring."""
+
+from absl import app
+
+from experiments import train
+
+if __name__ == "__main__":
+  app.run(train.main, flags_parser=train.parse_flags)
