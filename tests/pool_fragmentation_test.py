@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jcxl._src import alloc_trace
+from benchmarks import alloc_trace
 
 KIB = 1 << 10
 MIB = 1 << 20
