@@ -312,11 +312,12 @@ def largest_depth(config: Config, compute_scale: float) -> tuple[Model, int]:
 def print_plan(title: str, model: Model, planned: dict) -> None:
   choice = planned["choice"]
   print(f"\n== {title}: {model.params / 1e6:.1f}M parameters")
-  print(f"{'layer':44s} {'state':>10s} {'tier':6s} {'prefetch':>8s} "
+  width = max([len("layer")] + [len(name) for name in model.layer_bytes])
+  print(f"{'layer':{width}s} {'state':>10s} {'tier':6s} {'prefetch':>8s} "
         f"{'chunk':>10s}")
   for name, nbytes in model.layer_bytes.items():
     chunk = choice.chunk_bytes.get(name, 0)
-    print(f"{name[:44]:44s} {format_bytes(nbytes):>10s} "
+    print(f"{name:{width}s} {format_bytes(nbytes):>10s} "
           f"{planned['placement'][name]:6s} "
           f"{choice.prefetch.get(name, 0):8d} "
           f"{format_bytes(chunk) if chunk else 'pool':>10s}")

@@ -157,6 +157,32 @@ class LinenTest:
           jax.jit(predict)(state.params, batch["x"]), rtol=RTOL)
 
 
+  def test_a_single_array_output_of_its_shape_is_not_written_back(self,
+                                                                   pool):
+    # predict(w, x) -> x @ w returns an array of w's shape: a result, not
+    # w's new value, as under jax.jit. Only donating w rewrites it.
+    w = np.random.default_rng(1).normal(size=(FEATURES, FEATURES)).astype(
+        np.float32)
+    x = np.ones((FEATURES, FEATURES), np.float32)
+    placed = jcxl.place(w, "cxl", pool=pool)
+
+    def predict(w, x):
+      return x @ w
+
+    out = jcxl.cxl_offload(predict)(placed, x)
+    assert not is_pool_array(out)
+    np.testing.assert_allclose(out, jax.jit(predict)(w, x), rtol=RTOL)
+    np.testing.assert_array_equal(jcxl.gather(placed), w)  # untouched
+
+    def sgd(w, x):
+      return w - 0.1 * jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+
+    new = jcxl.cxl_offload(sgd, donate_argnums=0)(placed, x)
+    assert is_pool_array(new) and new.local_handles == placed.local_handles
+    np.testing.assert_allclose(jcxl.gather(new), jax.jit(sgd)(w, x),
+                               rtol=RTOL, atol=ATOL)
+
+
 # ------------------------------------------------------------ remat blocks
 
 
@@ -217,6 +243,63 @@ class RematTest:
       up = params[f"block{i}"]["up"]
       assert fetched[True][f"['block{i}']['up']"] == 3 * (
           up["kernel"].nbytes + up["bias"].nbytes)
+
+
+  @pytest.mark.parametrize("flavour", ["jax.checkpoint", "nnx.remat"])
+  def test_remat_flavours_equal_jit_and_fit_a_budget_only_remat_fits(
+      self, pool, flavour):
+    depth, width = 4, 64
+    x = np.random.default_rng(4).normal(size=(256, width)).astype(np.float32)
+
+    class Layer(nnx.Module):
+      def __init__(self, rngs):
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+      def __call__(self, h):
+        return h + self.down(nnx.gelu(self.up(h)))
+
+    layers = [Layer(nnx.Rngs(i)) for i in range(depth)]
+    graphdef, params = nnx.split(nnx.List(layers))
+
+    def tower(params, x, remat):
+      blocks = nnx.merge(graphdef, params)
+      for block in blocks:
+        if not remat:
+          x = block(x)
+        elif flavour == "nnx.remat":
+          x = nnx.remat(lambda b, h: b(h))(block, x)
+        else:
+          b_def, b_state = nnx.split(block)
+          x = jax.checkpoint(
+              lambda s, h: nnx.merge(b_def, s)(h))(b_state, x)
+      return jnp.mean(x ** 2)
+
+    tx = optax.sgd(0.05)
+    steps, needs = {}, {}
+    for remat in (False, True):
+      def step(params, opt_state, x, remat=remat):
+        loss, grads = jax.value_and_grad(tower)(params, x, remat)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+      steps[remat] = step
+      placed = jcxl.place((params, tx.init(params)), "cxl", pool=pool)
+      needs[remat] = jcxl.cxl_offload(step).device_need(*placed, x)
+    assert needs[True] < needs[False], needs
+
+    # Under a budget between the two, the remat step runs, equal to jit;
+    # the other is refused before it runs.
+    budget = (needs[True] + needs[False]) // 2
+    placed = jcxl.place((params, tx.init(params)), "cxl", pool=pool)
+    with pytest.raises(MemoryError):
+      jcxl.cxl_offload(steps[False], device_budget=budget)(*placed, x)
+    ref = (params, tx.init(params))
+    offloaded = jcxl.cxl_offload(steps[True], device_budget=budget)
+    for _ in range(STEPS):
+      *ref, ref_loss = jax.jit(steps[True])(*ref, x)
+      *placed, loss = offloaded(*placed, x)
+      np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_close(placed, ref)
 
 
 # ------------------------------------------------------------------- NNX
@@ -373,6 +456,27 @@ class PlacedLeavesTest:
       assert placed[name].dtype == jnp.asarray(value).dtype, name
     assert_close(placed, jax.tree.map(jnp.asarray, tree))
 
+  def test_a_python_int_too_large_for_its_dtype_is_refused(self, pool):
+    dtype = jnp.asarray(1).dtype
+    big = int(np.iinfo(dtype).max) + 1
+    with pytest.raises(OverflowError, match=r"\['big'\].* does not fit"):
+      jcxl.place({"big": big}, "cxl", pool=pool)
+    assert pool.handles() == []  # nothing half-placed is left
+
+  def test_a_tree_mapped_over_as_arrays_is_refused(self, pool):
+    # tx.init of a placed tree maps over its handle leaves: the PoolArrays
+    # it builds name other arrays' objects (or none).
+    params = jcxl.place({"w": np.ones((4, 4), np.float32)}, "cxl", pool=pool)
+    opt_state = optax.adam(1e-3).init(params)
+    mu = opt_state[0].mu["w"]
+    with pytest.raises(ValueError, match="mapped over as if its leaves"):
+      jcxl.gather(mu)
+
+    def step(params, opt_state):
+      return params, opt_state
+    with pytest.raises(ValueError, match=r"tx.init\(jcxl.gather"):
+      jcxl.cxl_offload(step)(params, opt_state)
+
   def test_typed_keys_stay_on_the_device_as_keys(self, pool):
     key = jax.random.key(7)
     placed = jcxl.place({"key": key, "w": np.ones(3, np.float32)}, "cxl",
@@ -459,8 +563,10 @@ class PlanTableTest:
     params = Deep().init(jax.random.key(0), x)["params"]
     step = jcxl.cxl_offload(
         lambda p, x: (p, Deep().apply({"params": p}, x).sum()))
-    step(jcxl.place(params, "cxl", pool=pool), x)
-    table = step.plan.table()
-    for name in ("query", "key", "value", "out"):
-      assert (f"['transformer_block_with_a_long_name_0_attn']['{name}']"
-              in table), table
+    placed = jcxl.place(params, "cxl", pool=pool)
+    step(placed, x)
+    _, profile = step.measured_call(placed, x)
+    for table in (step.plan.table(), profile.table()):
+      for name in ("query", "key", "value", "out"):
+        assert (f"['transformer_block_with_a_long_name_0_attn']['{name}']"
+                in table), table

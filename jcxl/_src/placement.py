@@ -162,19 +162,27 @@ def is_typed_key(leaf: Any) -> bool:
                                                      jax.dtypes.prng_key)
 
 
-def as_jax_value(leaf: Any) -> Any:
+def as_jax_value(leaf: Any, path: str = "") -> Any:
   """`leaf` with the dtype ``jnp.asarray`` gives it (a Python int is int32
   with x64 off), without a copy to the device."""
   if isinstance(leaf, jax.Array):
     return leaf
   value = np.asarray(leaf)
-  return value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+  dtype = jax.dtypes.canonicalize_dtype(value.dtype)
+  if (isinstance(leaf, int) and not isinstance(leaf, bool) and
+      not np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max):
+    # jnp.asarray refuses such an int too; astype would wrap it silently.
+    raise OverflowError(
+        f"leaf {path or '(root)'}: Python int {leaf} does not fit {dtype}, the dtype jnp.asarray "
+        f"gives it{' with x64 off' if dtype.itemsize < 8 else ''}; pass an "
+        "array of the dtype you mean")
+  return value.astype(dtype, copy=False)
 
 
 def to_pool(leaf: Any, tier: Tier, pool: Pool,
             sharding: jax.sharding.Sharding, path: str) -> PoolArray:
   """Stores `leaf` in `pool`, one object per device of `sharding`."""
-  value = as_jax_value(leaf)
+  value = as_jax_value(leaf, path)
   index_map = sharding.devices_indices_map(tuple(value.shape))
   shards = {}
   if isinstance(value, jax.Array):
@@ -275,6 +283,7 @@ def place(tree: Any, kinds: str | Rules | Any = "cxl", *,
 
 def gather_one(array: PoolArray) -> jax.Array:
   """Reads a PoolArray's objects back into a jax.Array with its sharding."""
+  array.check_handles()
   pool = array.pool
   by_device = dict(array.local_handles)
   devices, _ = device_grid(array.sharding)

@@ -162,6 +162,30 @@ class PoolArray:
         "argument, fetch it with jcxl.fetch, or bring it back with "
         "jcxl.gather")
 
+  def check_handles(self) -> None:
+    """Raises ValueError if this array's handle leaf does not name its own
+    objects.
+
+    A placed tree mapped over as if its leaves were arrays (``tx.init(
+    placed)``, ``jax.tree.map(jnp.zeros_like, placed)``) rebuilds each
+    PoolArray around a new leaf computed from its handles; that array would
+    read another array's objects, or none. Traced handles are not checked.
+    """
+    handles = self.handles
+    if isinstance(handles, jax.core.Tracer) or not getattr(
+        handles, "is_fully_addressable", True):
+      return
+    got = sorted(np.asarray(handles).ravel().tolist())
+    want = sorted(handle for _, handle in self.local_handles)
+    if got != want:
+      raise ValueError(
+          f"{self._what()} holds handles {got}, not its objects' {want}: "
+          "the placed tree was mapped over as if its leaves were arrays "
+          "(optax's tx.init(placed), jax.tree.map(f, placed)). Build new "
+          "state from values, e.g. tx.init(jcxl.gather(params)) or "
+          "jcxl.init_in_pool, and map over PoolArrays with "
+          "is_leaf=lambda x: isinstance(x, jcxl.PoolArray)")
+
   def _what(self) -> str:
     return f"PoolArray {self.path or '(unnamed)'}"
 

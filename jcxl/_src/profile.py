@@ -88,10 +88,12 @@ class StepProfile:
     return self.stall_s / self.step_s if self.step_s else 0.0
 
   def table(self) -> str:
-    rows = [f"{'layer':32s} {'fetched':>10s} {'stored':>10s} "
+    """One row per layer, its whole name (as `Plan.table`)."""
+    width = max([len("layer")] + [len(l.name) for l in self.layers])
+    rows = [f"{'layer':{width}s} {'fetched':>10s} {'stored':>10s} "
             f"{'transfer':>10s} {'compute':>10s} {'stall':>10s}"]
     for l in self.layers:
-      rows.append(f"{l.name[:32]:32s} {l.bytes_fetched:10d} "
+      rows.append(f"{l.name:{width}s} {l.bytes_fetched:10d} "
                   f"{l.bytes_stored:10d} {l.transfer_s * 1e3:8.2f}ms "
                   f"{l.compute_s * 1e3:8.2f}ms {l.stall_s * 1e3:8.2f}ms")
     rows.append(f"step {self.step_s * 1e3:.2f} ms, stall "
