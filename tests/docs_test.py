@@ -161,3 +161,57 @@ class MeasureTest:
     got = tool._imported(tree, "jcxl._src.tuner", is_package=False)
     assert {"jcxl._src.costmodel", "jcxl._src.units", "jcxl._src.pool",
             "jcxl._src"} <= got
+
+
+def _program_flags() -> dict[str, tuple[set[str], set[str]]]:
+  """Per program under experiments/: the shared flags it takes (calls of
+  experiments/flags.py's functions) and the flags it defines itself."""
+  shared_module = os.path.join(ROOT, "experiments", "flags.py")
+  programs: dict[str, tuple[set[str], set[str]]] = {}
+  for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "**",
+                                            "*.py"), recursive=True)):
+    if path == shared_module:
+      continue
+    rel = os.path.relpath(path, os.path.join(ROOT, "experiments"))
+    program = rel.split(os.sep)[0].removesuffix(".py")
+    shared, own = programs.setdefault(program, (set(), set()))
+    for node in ast.walk(ast.parse(_read(path))):
+      if not (isinstance(node, ast.Call) and
+              isinstance(node.func, ast.Attribute)):
+        continue
+      owner = node.func.value
+      if isinstance(owner, ast.Name) and owner.id == "shared_flags":
+        shared.add(node.func.attr)
+      elif (isinstance(owner, ast.Name) and owner.id == "flags" and
+            node.func.attr.startswith("DEFINE_") and node.args and
+            isinstance(node.args[0], ast.Constant)):
+        own.add(node.args[0].value)
+  return programs
+
+
+class SharedFlagsTest:
+
+  def test_a_shared_flag_is_defined_in_one_place_only(self):
+    shared = {node.name for node in ast.parse(_read(os.path.join(
+        ROOT, "experiments", "flags.py"))).body
+              if isinstance(node, ast.FunctionDef) and
+              not node.name.startswith("_") and node.name != "link"}
+    for program, (_, own) in _program_flags().items():
+      assert not own & shared, (
+          f"experiments/{program} defines {sorted(own & shared)} itself: "
+          "take them from experiments/flags.py")
+
+  def test_the_docs_table_lists_each_flags_programs(self):
+    text = _read(os.path.join(ROOT, "docs", "experiments.md"))
+    table = text[text.index("## Shared flags"):]
+    rows = re.findall(r"^\| `--(\w+)` \| [^|]+ \| ([^|]+) \|$", table,
+                      re.MULTILINE)
+    assert rows
+    takers: dict[str, set[str]] = {}
+    for program, (shared, _) in _program_flags().items():
+      for flag in shared:
+        takers.setdefault(flag, set()).add(program)
+    documented = {flag: {p.strip().split(" ")[0]
+                         for p in programs.split(",")}
+                  for flag, programs in rows}
+    assert documented == takers
