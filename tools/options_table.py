@@ -7,7 +7,7 @@ the options, so that each default and its meaning are written once.
 
 A table lives in its page between two markers,
 
-    <!-- options: jcxl._src.tuner.TunerOptions -->
+    <!-- options: jcxl._src.dap.tuner.TunerOptions -->
     ...
     <!-- end options -->
 

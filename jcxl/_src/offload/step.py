@@ -30,30 +30,30 @@ import numpy as np
 
 from jcxl import _jcxl
 from jcxl._src import call_args
-from jcxl._src import compile_ahead
-from jcxl._src import costmodel
+from jcxl._src.dap import compile_ahead
+from jcxl._src.dap import costmodel
 from jcxl._src import jax_compat
-from jcxl._src.program import Lit
-from jcxl._src.program import Node
-from jcxl._src.program import Program
-from jcxl._src.program import layer_of
-from jcxl._src.program import reorder_by_layer
-from jcxl._src import profile as profile_lib
+from jcxl._src.offload.program import Lit
+from jcxl._src.offload.program import Node
+from jcxl._src.offload.program import Program
+from jcxl._src.offload.program import layer_of
+from jcxl._src.offload.program import reorder_by_layer
+from jcxl._src.dap import profile as profile_lib
 from jcxl._src import registry
 from jcxl._src import schedule as schedule_lib
 from jcxl._src import shardings as shardings_lib
-from jcxl._src import tuner as tuner_lib
+from jcxl._src.dap import tuner as tuner_lib
 from jcxl._src.pool import Tier
-from jcxl._src.planner import Cluster
-from jcxl._src.planner import Planner
-from jcxl._src.planner import shard_bytes
-from jcxl._src.planner import unordered_reads
+from jcxl._src.offload.clusters import Cluster
+from jcxl._src.offload.clusters import FetchClusters
+from jcxl._src.offload.clusters import shard_bytes
+from jcxl._src.offload.clusters import unordered_reads
 from jcxl._src.pool_array import Liveness
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.pool_array import RowBlocks
-from jcxl._src.sliced_update import SlicedNode
-from jcxl._src.sliced_update import evaluate_slice
-from jcxl._src.sliced_update import slice_state_updates
+from jcxl._src.offload.sliced_update import SlicedNode
+from jcxl._src.offload.sliced_update import evaluate_slice
+from jcxl._src.offload.sliced_update import slice_state_updates
 from jcxl._src.stream import fetch
 from jcxl._src.stream import fetch_done
 from jcxl._src.stream import fetch_start
@@ -89,11 +89,11 @@ def _mark(value: jax.Array) -> jax.Array:
 class _Interpreter:
   """Evaluates the flat program with streaming, under jit."""
 
-  def __init__(self, program: Program, planner: Planner,
+  def __init__(self, program: Program, fetches: FetchClusters,
                values: dict[Any, Any], schedule: schedule_lib.LayerSchedule,
                stores: dict[Any, PoolArray], store_after: dict[Any, int]):
     self.program = program
-    self.planner = planner
+    self.fetches = fetches
     self.env = dict(values)
     self.env.update(program.consts)
     self.schedule = schedule
@@ -105,7 +105,7 @@ class _Interpreter:
     self.stored: set = set()
     self.last: Any = None  # the latest output: where the step has got to
     # Reads a store must wait for that nothing else orders before it.
-    self.unordered = unordered_reads(program, planner, stores)
+    self.unordered = unordered_reads(program, fetches, stores)
     self.marked = {id(c) for cs in self.unordered.values() for c in cs}
     self.marks: dict[int, Any] = {}
     # What the stores hand back, returned from the step: work whose only
@@ -115,7 +115,7 @@ class _Interpreter:
     self.store_tokens: list[Any] = []
 
   def _start(self, c: Cluster, after: Any) -> None:
-    target = self.planner.resident[c.key]
+    target = self.fetches.resident[c.key]
     if c.after_node >= 0:
       outs = [self.env[k] for k in self.program.nodes[c.after_node].outs
               if k in self.env]
@@ -124,13 +124,13 @@ class _Interpreter:
       self.pending[id(c)] = fetch_start(
           self.env[c.key], after=after, priority=c.unit,
           chunk_bytes=self.schedule.chunk_for(
-              layer_of(self.planner.paths[c.key])))
+              layer_of(self.fetches.paths[c.key])))
     # pinned_host leaves move with JAX's own transfer, when used.
 
   def _value_for(self, key: Any, i: int) -> Any:
-    c = self.planner.cluster_at[(key, i)]
+    c = self.fetches.cluster_at[(key, i)]
     if id(c) not in self.fetched:
-      target = self.planner.resident[key]
+      target = self.fetches.resident[key]
       if isinstance(target, PoolArray):
         pending = self.pending.pop(id(c), None)
         if pending is None:  # not started ahead (e.g. schedule fixed:0)
@@ -151,7 +151,7 @@ class _Interpreter:
     key = self.program.resolve(atom)
     if isinstance(key, Lit):
       return key.value
-    if key in self.planner.resident:
+    if key in self.fetches.resident:
       return self._value_for(key, i)
     return self.env[key]
 
@@ -166,7 +166,7 @@ class _Interpreter:
     xs_positions = range(n_consts + n_carry, len(ins))
     weights = {str(pos): self.env[key] for pos, key in streamed.items()}
     xs = {str(pos): ins[pos] for pos in xs_positions if pos not in streamed}
-    group = layer_of(self.planner.paths[next(iter(streamed.values()))])
+    group = layer_of(self.fetches.paths[next(iter(streamed.values()))])
 
     def scan_body(c, w, x):
       full = [w[str(p)] if p in streamed else x[str(p)]
@@ -187,7 +187,7 @@ class _Interpreter:
     of a table's rows) at a time."""
     n_direct = len(loop.pool_keys) + len(loop.stacked_keys)
     scalars = {k: self._read(k, i) for k in loop.ins[n_direct:]}
-    group = layer_of(self.planner.paths[loop.pool_keys[0]])
+    group = layer_of(self.fetches.paths[loop.pool_keys[0]])
     inputs = [self.env[k] for k in loop.stacked_keys]
     targets = loop.stores
 
@@ -256,8 +256,8 @@ class _Interpreter:
     """The value of one of the program's outputs."""
     if isinstance(key, Lit):
       return key.value
-    if key in self.planner.resident:  # an input returned elsewhere
-      target = self.planner.resident[key]
+    if key in self.fetches.resident:  # an input returned elsewhere
+      target = self.fetches.resident[key]
       if isinstance(target, PoolArray):
         return fetch_done(fetch_start(self.env[key]))
       return jax.device_put(self.env[key],
@@ -267,9 +267,9 @@ class _Interpreter:
   def run(self) -> None:
     self._issue_stores(-1)
     for i, node in enumerate(self.program.nodes):
-      for c in self.planner.starts_at.get(i, ()):
+      for c in self.fetches.starts_at.get(i, ()):
         self._start(c, self.last)
-      streamed = self.planner.streamed.get(i)
+      streamed = self.fetches.streamed.get(i)
       if isinstance(node, SlicedNode):
         outs = self._sliced_loop(node, i)
       elif streamed:
@@ -280,7 +280,7 @@ class _Interpreter:
         self.env[key] = value
       if outs:
         self.last = outs[0]
-      for c in [c for c in self.planner.clusters if c.last == i]:
+      for c in [c for c in self.fetches.clusters if c.last == i]:
         self.fetched.pop(id(c), None)  # the buffer dies after its cluster
       self._issue_stores(i)
     for key in self.stores:
@@ -385,7 +385,7 @@ def _bake_handles(args: tuple[Any, ...]
 class _Analysis:
   """A traced step as the rewrite sees it."""
   program: Program
-  planner: Planner
+  fetches: FetchClusters
   resident: dict[Any, Any]
   key_paths: dict[Any, str]
   values: dict[Any, Any]
@@ -562,7 +562,7 @@ class OffloadedStep:
   def _analyze(self, args: tuple[Any, ...], prep: "_Prepared",
                timed: bool = False) -> _Analysis:
     """Traces the step and finds its clusters, stores and timeline
-    (`timed`: see ``Planner.timeline``)."""
+    (`timed`: see ``FetchClusters.timeline``)."""
     flat = jax.tree_util.tree_leaves(args, is_leaf=_is_pool_array)
     closed = jax.make_jaxpr(prep.fn)(*prep.avals)
     paths = [jax.tree_util.keystr(p) for p, _ in
@@ -593,17 +593,17 @@ class OffloadedStep:
         returned.append((j, key, target))
     for key in slice_state_updates(program, resident, stores):
       del stores[key]  # the sliced loop stores these, layer by layer
-    planner = Planner(program, resident, key_paths)
+    fetches = FetchClusters(program, resident, key_paths)
     producer = {key: n for n, node in enumerate(program.nodes)
                 for key in node.outs}
     old_key = {id(v): k for k, v in resident.items()}
     # Written once produced and once the old value has no uses left.
     store_after = {key: max(producer.get(key, -1),
-                            planner.last_use.get(old_key[id(t)], -1))
+                            fetches.last_use.get(old_key[id(t)], -1))
                    for key, t in stores.items()}
-    return _Analysis(program, planner, resident, key_paths, values, stores,
+    return _Analysis(program, fetches, resident, key_paths, values, stores,
                      store_after, returned,
-                     planner.timeline(stores, store_after, timed))
+                     fetches.timeline(stores, store_after, timed))
 
   # The traced function: args in, the outputs that are not pool state out.
   # `ahead`: a DAP plan to compile on the compiling thread (see
@@ -618,8 +618,8 @@ class OffloadedStep:
     schedule_lib.check_made_for(self._schedule, made_for)
     schedule = ahead or (self.tuner.resolve(a.segments, links) if self.tuner
                          else self._schedule.resolve(a.segments, links))
-    a.planner.schedule_fetches(schedule)
-    interpreter = _Interpreter(a.program, a.planner, a.values, schedule,
+    a.fetches.set_schedule(schedule)
+    interpreter = _Interpreter(a.program, a.fetches, a.values, schedule,
                                a.stores, a.store_after)
     interpreter.run()
     out = []
@@ -634,7 +634,7 @@ class OffloadedStep:
     # After the outputs: a call reads only those (see _Interpreter).
     out.extend(interpreter.tokens())
     self._segments = a.segments
-    plan = self._record_plan(a.planner, a.key_paths, a.resident, schedule,
+    plan = self._record_plan(a.fetches, a.key_paths, a.resident, schedule,
                              a.segments, links, made_for, tuned=not ahead)
     if ahead:
       self._ahead_plans[ahead] = plan
@@ -693,15 +693,15 @@ class OffloadedStep:
       offset += len(out_leaves)
     return targets
 
-  def _record_plan(self, planner: Planner, paths: dict, resident: dict,
+  def _record_plan(self, fetches: FetchClusters, paths: dict, resident: dict,
                    schedule: schedule_lib.LayerSchedule,
                    segments: list[costmodel.Segment],
                    links: dict[str, costmodel.Link],
                    made_for: schedule_lib.MadeFor,
                    tuned: bool = True) -> schedule_lib.Plan:
     layers = collections.OrderedDict()
-    all_clusters = planner.clusters + [
-        Cluster(k, i, i) for i, s in planner.streamed.items()
+    all_clusters = fetches.clusters + [
+        Cluster(k, i, i) for i, s in fetches.streamed.items()
         for k in s.values()]
     reads = collections.Counter(c.key for c in all_clusters)
     for c in all_clusters:

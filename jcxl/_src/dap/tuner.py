@@ -37,8 +37,8 @@ import random
 import statistics
 from collections.abc import Mapping, Sequence
 
-from jcxl._src import costmodel
-from jcxl._src.profile import StepProfile
+from jcxl._src.dap import costmodel
+from jcxl._src.dap.profile import StepProfile
 from jcxl._src.schedule import LayerSchedule
 from jcxl._src.units import format_bytes
 
@@ -259,7 +259,7 @@ class Tuner:
   def _replan(self, what: str, measured_s: float | None,
               over_budget: bool = False) -> bool:
     start = dict(self.schedule.prefetch) if self.schedule else None
-    choice = costmodel.plan(self._segments, self._links,
+    choice = costmodel.choose_schedule(self._segments, self._links,
                             prefetch_budget=self.prefetch_budget, start=start)
     schedule = LayerSchedule.of(choice.prefetch, choice.chunk_bytes,
                                 name="dap")
@@ -668,7 +668,7 @@ class Tuner:
         f"{_describe(c, base)} {t * 1e3:.2f} ms ({_split(self._race[c])})"
         for c, t in medians.items()) + f"; keeping {_describe(best, base)}")
     self._event("raced", medians[best], verdict)
-    # The planner's reasons explain the model's plan: only where it is
+    # choose_schedule's reasons explain the model's plan: only where it is
     # kept do they explain the plan that runs.
     self.reasons = (tuple(r for r in self.reasons if not r.startswith("raced"))
                     if best == base else ()) + (verdict,)
