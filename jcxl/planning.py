@@ -48,7 +48,7 @@ from jcxl._src.dap.costmodel import choose_schedule as choose_schedule
 from jcxl._src.dap.costmodel import choose_tiers as choose_tiers
 from jcxl._src.dap.costmodel import simulate as simulate
 from jcxl._src.jax_compat import saved_residual_bytes as saved_residual_bytes
-from jcxl._src.offload.step import device_need as device_need
+from jcxl._src.offload.compiled import device_need as device_need
 from jcxl._src.offload.step import step_timeline as step_timeline
 from jcxl._src.transfer_estimate import round_trip_seconds as round_trip_seconds
 

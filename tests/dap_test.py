@@ -371,8 +371,8 @@ class DapStepTest:
     x = jnp.ones((8, 16))
     step_fn = make_step(loss_fn, tx)
     step = jcxl.cxl_offload(step_fn, schedule="dap")
-    threads, compile_plan = [], step._ahead._compile_plan
-    step._ahead._compile_plan = lambda *a: (
+    threads, compile_plan = [], step._scheduler.ahead._compile_plan
+    step._scheduler.ahead._compile_plan = lambda *a: (
         threads.append(threading.current_thread().name) or compile_plan(*a))
     p = jcxl.place(params, "cxl", pool=pool)
     s = jcxl.place(tx.init(params), "cxl", pool=pool)

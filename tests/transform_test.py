@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import jcxl
 from jcxl import cxl_offload
-from jcxl._src.offload.step import device_need
+from jcxl._src.offload.compiled import device_need
 import numpy as np
 import optax
 import pytest
