@@ -221,7 +221,7 @@ class Case:
     self.batch = family.example_batch(config, batch_size=BATCHES[name])
     self.step_fn = exp_common.make_train_step(family.make_loss(config),
                                               self.tx)
-    # The step as the planner sees it before anything runs, for the
+    # The step as the cost model sees it before anything runs, for the
     # offline predictions: each segment's compute measured in the sync
     # step on a throwaway host pool, and (for comparison) timed alone.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),

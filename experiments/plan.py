@@ -184,7 +184,7 @@ def tiers_of(config: Config) -> list[tuple[str, planning.Link, int]]:
 
 @dataclasses.dataclass
 class Model:
-  """A model's abstract train step: what the planner needs."""
+  """A model's abstract train step: what the cost model needs."""
   config: Any
   segments: list[planning.Segment]
   layer_bytes: dict[str, int]
@@ -195,7 +195,7 @@ class Model:
 def abstract_model(family: str, model_config: Any, batch: int,
                    seq_len: int, compute_scale: float,
                    compute: str = "estimated") -> Model:
-  """The model's train step as the planner sees it, its compute
+  """The model's train step as the cost model sees it, its compute
   "estimated" from its equations, each segment's work "timed" alone on
   this machine's device (see ``step_timeline``), or "measured" in the
   step run here (see ``jcxl.planning.measured_timeline``)."""

@@ -4,6 +4,11 @@ Parameters and optimizer state live in a tiered pool outside the device
 (CXL memory, host DRAM, NVMe files) and stream into the jitted step.
 """
 
+from jcxl._src.dap.profile import LayerProfile as LayerProfile
+from jcxl._src.dap.profile import StepProfile as StepProfile
+from jcxl._src.dap.tuner import TunerOptions as TunerOptions
+from jcxl._src.dap.tuner import Tuner as Tuner
+from jcxl._src.dap.tuner import TunerEvent as TunerEvent
 from jcxl._src.errors import CheckpointCorruptError as CheckpointCorruptError
 from jcxl._src.errors import JcxlError as JcxlError
 from jcxl._src.errors import PoolClosedError as PoolClosedError
@@ -12,18 +17,19 @@ from jcxl._src.errors import PoolMismatchError as PoolMismatchError
 from jcxl._src.errors import TierIOError as TierIOError
 from jcxl._src.errors import TransferTimeoutError as TransferTimeoutError
 from jcxl._src.errors import UnknownHandleError as UnknownHandleError
+from jcxl._src.offload.reports import LayerReport as LayerReport
+from jcxl._src.offload.step import OffloadedStep as OffloadedStep
+from jcxl._src.offload.step import cxl_offload as cxl_offload
 from jcxl._src.placement import gather as gather
 from jcxl._src.placement import place as place
-from jcxl._src.pool_init import init_in_pool as init_in_pool
-from jcxl._src.pool_init import tiers_by_reads as tiers_by_reads
 from jcxl._src.pool import DEFAULT_CXL_LINK as DEFAULT_CXL_LINK
 from jcxl._src.pool import LinkModel as LinkModel
 from jcxl._src.pool import Pool as Pool
 from jcxl._src.pool import Tier as Tier
 from jcxl._src.pool import TransferRecord as TransferRecord
 from jcxl._src.pool_array import PoolArray as PoolArray
-from jcxl._src.profile import LayerProfile as LayerProfile
-from jcxl._src.profile import StepProfile as StepProfile
+from jcxl._src.pool_init import init_in_pool as init_in_pool
+from jcxl._src.pool_init import tiers_by_reads as tiers_by_reads
 from jcxl._src.registry import cuda_available as cuda_available
 from jcxl._src.schedule import LayerPlan as LayerPlan
 from jcxl._src.schedule import LayerSchedule as LayerSchedule
@@ -32,12 +38,6 @@ from jcxl._src.stream import fetch as fetch
 from jcxl._src.stream import layer_scan as layer_scan
 from jcxl._src.stream import store as store
 from jcxl._src.stream import streamed_scan as streamed_scan
-from jcxl._src.transform import LayerReport as LayerReport
-from jcxl._src.transform import OffloadedStep as OffloadedStep
-from jcxl._src.transform import cxl_offload as cxl_offload
-from jcxl._src.tuner import Tuner as Tuner
-from jcxl._src.tuner import TunerEvent as TunerEvent
-from jcxl._src.tuner import TunerOptions as TunerOptions
 from jcxl import distributed as distributed
 from jcxl import planning as planning
 from jcxl import topology as topology

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jcxl._src import compute_estimate
-from jcxl._src.program import Program
+from jcxl._src.dap import compute_estimate
+from jcxl._src.offload.program import Program
 
 
 def estimate(fn, *args) -> list[float]:
@@ -279,7 +279,7 @@ def mlp_step(depth=3, width=128):
 
 
 def test_timed_timeline_times_each_distinct_segment_once(monkeypatch):
-  from jcxl._src.transform import step_timeline  # pylint: disable=g-import-not-at-top
+  from jcxl._src.offload.step import step_timeline  # pylint: disable=g-import-not-at-top
   compiled = []
   timed = compute_estimate._device_seconds
   monkeypatch.setattr(compute_estimate, "_device_seconds", lambda c, a: (
@@ -297,7 +297,7 @@ def test_timed_timeline_times_each_distinct_segment_once(monkeypatch):
 
 def test_timed_timeline_falls_back_to_estimates_where_runs_are_too_large(
     monkeypatch):
-  from jcxl._src.transform import step_timeline  # pylint: disable=g-import-not-at-top
+  from jcxl._src.offload.step import step_timeline  # pylint: disable=g-import-not-at-top
   step, state, x = mlp_step()
   estimated, _ = step_timeline(step, state, x)
   monkeypatch.setattr(compute_estimate, "_TIMED_RUN_BYTES", 0)

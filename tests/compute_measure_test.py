@@ -11,8 +11,8 @@ import pytest
 import jcxl
 from jcxl._src import compute_measure
 from jcxl._src import registry
-from jcxl._src.transform import OffloadedStep
-from jcxl._src.transform import step_timeline
+from jcxl._src.offload.step import OffloadedStep
+from jcxl._src.offload.step import step_timeline
 
 
 def uneven_step():

@@ -1,4 +1,4 @@
-"""Tests of the adaptive schedule: cost model, planner, profile, tuner."""
+"""Tests of the adaptive schedule: cost model and its search (choose_schedule), profile, tuner."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from jcxl._src import costmodel
-from jcxl._src import profile as profile_lib
+from jcxl._src.dap import costmodel
+from jcxl._src.dap import profile as profile_lib
 from jcxl._src import schedule as schedule_lib
-from jcxl._src import tuner as tuner_lib
+from jcxl._src.dap import tuner as tuner_lib
 from jcxl._src.pool import Tier
 from jcxl._src.pool import TransferRecord
 
@@ -93,13 +93,13 @@ def cost_tables(draw):
   return segments, {"cxl": costmodel.Link(bandwidth, 2e-6)}, budget
 
 
-class PlannerTest:
+class ChooseScheduleTest:
 
   @settings(max_examples=150, deadline=None)
   @given(cost_tables())
   def test_plan_respects_budget_and_never_loses_to_sync(self, table):
     segments, links, budget = table
-    choice = costmodel.plan(segments, links, prefetch_budget=budget)
+    choice = costmodel.choose_schedule(segments, links, prefetch_budget=budget)
     assert choice.prediction.peak_prefetch_bytes <= budget
     assert costmodel.peak_prefetch_bytes(segments, choice.prefetch) <= budget
     sync = costmodel.simulate(segments, {}, links, choice.chunk_bytes)
@@ -110,9 +110,9 @@ class PlannerTest:
   @given(cost_tables())
   def test_plan_never_loses_to_a_uniform_distance_that_fits(self, table):
     # One layer deeper at a time can find no gain where only deepening
-    # many together pays: the planner also searches from uniform starts.
+    # many together pays: choose_schedule also searches from uniform starts.
     segments, links, budget = table
-    choice = costmodel.plan(segments, links, prefetch_budget=budget)
+    choice = costmodel.choose_schedule(segments, links, prefetch_budget=budget)
     names = {s.name for s in segments if s.nbytes}
     for k in range(1, costmodel.MAX_PREFETCH + 1):
       uniform = {n: k for n in names}
@@ -125,7 +125,7 @@ class PlannerTest:
     # b is big and follows a long compute; c is tiny: only b prefetches.
     segments = [seg("a", MiB, 0.05), seg("b", 40 * MiB, 0.001),
                 seg("c", 4096, 0.001)]
-    choice = costmodel.plan(segments, LINK)
+    choice = costmodel.choose_schedule(segments, LINK)
     assert choice.prefetch["b"] >= 1
     assert choice.prefetch["c"] == 0
     assert choice.prediction.step_s < costmodel.simulate(
@@ -133,7 +133,7 @@ class PlannerTest:
 
   def test_zero_budget_means_no_prefetch(self):
     segments = [seg("a", MiB, 0.05), seg("b", 40 * MiB, 0.001)]
-    choice = costmodel.plan(segments, LINK, prefetch_budget=0)
+    choice = costmodel.choose_schedule(segments, LINK, prefetch_budget=0)
     assert all(k == 0 for k in choice.prefetch.values())
 
   def test_bucket_prefetch_follows_deepspeed_rule(self):
@@ -374,8 +374,8 @@ class DapStepTest:
     x = jnp.ones((8, 16))
     step_fn = make_step(loss_fn, tx)
     step = jcxl.cxl_offload(step_fn, schedule="dap")
-    threads, compile_plan = [], step._ahead._compile_plan
-    step._ahead._compile_plan = lambda *a: (
+    threads, compile_plan = [], step._scheduler.ahead._compile_plan
+    step._scheduler.ahead._compile_plan = lambda *a: (
         threads.append(threading.current_thread().name) or compile_plan(*a))
     p = jcxl.place(params, "cxl", pool=pool)
     s = jcxl.place(tx.init(params), "cxl", pool=pool)

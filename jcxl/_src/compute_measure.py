@@ -25,10 +25,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jcxl._src import costmodel
+from jcxl._src.dap import costmodel
 from jcxl._src import placement
 from jcxl._src import pool as pool_lib
-from jcxl._src import transform
+from jcxl._src.offload import step as offload_step
 
 # Room beyond the state's own bytes: the pool's slabs and alignment, and
 # the 16 MiB object that measures the host tier's link (Pool.link_estimate).
@@ -55,7 +55,7 @@ def measured_timeline(fn: Callable, state: tuple[Any, ...], *rest: Any,
   """
   if steps < 1:
     raise ValueError(f"steps must be >= 1, got {steps}")
-  segments, layer_bytes = transform.step_timeline(fn, state, *rest,
+  segments, layer_bytes = offload_step.step_timeline(fn, state, *rest,
                                                   tier_of=tier_of)
   zeros = lambda tree: jax.tree.map(
       lambda x: np.zeros(x.shape, x.dtype)
@@ -65,7 +65,7 @@ def measured_timeline(fn: Callable, state: tuple[Any, ...], *rest: Any,
                      cxl=0) as pool:
     args = [placement.place(zeros(tree), "host", pool=pool)
             for tree in state] + list(zeros(rest))
-    step = transform.cxl_offload(fn, schedule="sync")
+    step = offload_step.cxl_offload(fn, schedule="sync")
     measured = []
     for n in range(steps + 2):  # the state is written back in place
       _, profile = step.measured_call(*args)

@@ -8,7 +8,7 @@ uses them. The schedules a step accepts:
 * ``'bucket'`` / ``'bucket:N'``: DeepSpeed ZeRO-3's rule, fetch ahead the
   following layers that fit in N parameter elements (its default 5e7);
 * ``'plan:PATH'``: a plan saved by an earlier run (``Plan.save``);
-* ``'dap'`` / ``'dap:PATH'``: Dynamic Adaptive Pipelining (``tuner.py``),
+* ``'dap'`` / ``'dap:PATH'``: Dynamic Adaptive Pipelining (``dap/tuner.py``),
   optionally starting from a saved plan.
 """
 
@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from jcxl._src import costmodel
+from jcxl._src.dap import costmodel
 from jcxl._src.units import format_bytes
 
 # DeepSpeed ZeRO-3's stage3_prefetch_bucket_size default, in elements.
@@ -181,7 +181,7 @@ class Plan:
     layers: per layer, in the order the step first uses them.
     schedule: the schedule that chose it.
     predicted_step_s: the cost model's step time for it (None if unknown).
-    reasons: why the planner chose it, one line per decision.
+    reasons: why it was chosen (DAP's cost model and tuner), one line per decision.
     made_for: the step it was made for; a saved plan is refused by a step
       whose pool-resident leaves differ (names, shapes, dtypes, count).
     placement: per tier, the bytes of the leaves it holds by how often the

@@ -31,21 +31,25 @@ yet are dropped, and it goes on with those that are. Each episode's cost
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
-import random
 import statistics
 from collections.abc import Mapping, Sequence
 
-from jcxl._src import costmodel
-from jcxl._src.profile import StepProfile
+from jcxl._src.dap import costmodel
+from jcxl._src.dap.drift import Checks
+from jcxl._src.dap.drift import Drift
+from jcxl._src.dap.drift import median_bandwidths
+from jcxl._src.dap.profile import StepProfile
+from jcxl._src.dap.race import Race
+from jcxl._src.dap.race import Turn
+from jcxl._src.dap.race import describe
 from jcxl._src.schedule import LayerSchedule
 from jcxl._src.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-# Checks of a settled plan whose median is the baseline drift is judged by.
-_RECENT_CHECKS = 9
 # Starts the reason a re-plan gives for keeping the plan it has.
 _KEPT = "re-planned on what was measured:"
 # Steps in a row a measurement waits for one that follows this step's own
@@ -135,6 +139,17 @@ class TunerOptions:
                        f">= 0, but got {self.max_compile_s!r}")
 
 
+class Phase(enum.Enum):
+  """Where the tuner is; each phase says which steps are measured and
+  what a measurement does (see Tuner._wanted, Tuner._advance)."""
+  WARMUP = "warmup"      # steps before the first measurement
+  MEASURE = "measure"    # the plan measured for a re-plan
+  RACE = "race"          # candidates run in turn (see race.py)
+  BASELINE = "baseline"  # the kept plan measured alone: drift's baseline
+  STEADY = "steady"      # settled: a check every so often
+  CONFIRM = "confirm"    # a check looked off: a few more, spaced out
+
+
 @dataclasses.dataclass(frozen=True)
 class TuningCost:
   """What one tuning episode cost, until the tuner settled.
@@ -187,15 +202,9 @@ class Tuner:
     self._links: dict[str, costmodel.Link] = {}
     self._planned_for: dict[str, float] = {}  # tier -> bandwidth used
     self._window: list[StepProfile] = []
-    self._state = "warmup"
-    # The settled plan's step times: its baseline window, then its checks.
-    self._recent: list[float] = []
+    self._phase = Phase.WARMUP
     self._steps = 0
-    self._since_check = 0
-    self._check_every = options.check_every
-    # Steps from the last check to the next, drawn once per wait.
-    self._spacing: int | None = None
-    self._rng = random.Random(0)
+    self._checks = Checks(options)  # the settled plan's
     # Steps in a row not measured because they followed another program's.
     self._deferred = 0
     self._ran_version: int | None = None  # the plan the last step ran
@@ -206,14 +215,7 @@ class Tuner:
     # is dropped for the best one measured (without a recompile).
     self._versions: dict[LayerSchedule, int] = {}
     self._measured: dict[LayerSchedule, float] = {}
-    # The race in progress: each candidate's measured steps.
-    self._race: dict[LayerSchedule, list[StepProfile]] = {}
-    self._race_queue: list[LayerSchedule] = []
-    # Candidates that fell behind: out of the next rounds, still reported.
-    self._race_out: dict[LayerSchedule, list[StepProfile]] = {}
-    self._race_base: LayerSchedule | None = None  # the model's plan
-    self._race_round = 0
-    self._race_left = 0  # steps left in the running candidate's turn
+    self._race: Race | None = None  # the race in progress
     # Step time the model does not see (dispatch, host work), measured
     # against its prediction for the plan that ran; added to predictions.
     self._overhead_s = 0.0
@@ -235,7 +237,7 @@ class Tuner:
 
   @property
   def converged(self) -> bool:
-    return self._state == "steady"
+    return self._phase is Phase.STEADY
 
   @property
   def tuning_steps(self) -> int:
@@ -259,7 +261,7 @@ class Tuner:
   def _replan(self, what: str, measured_s: float | None,
               over_budget: bool = False) -> bool:
     start = dict(self.schedule.prefetch) if self.schedule else None
-    choice = costmodel.plan(self._segments, self._links,
+    choice = costmodel.choose_schedule(self._segments, self._links,
                             prefetch_budget=self.prefetch_budget, start=start)
     schedule = LayerSchedule.of(choice.prefetch, choice.chunk_bytes,
                                 name="dap")
@@ -323,14 +325,14 @@ class Tuner:
     if not over:
       return False
     before = self.schedule
-    if schedule in self._race:  # a raced candidate leaves the race
-      del self._race[schedule]
-      self._race_queue = [c for c in self._race_queue if c != schedule]
-      self._event("budget", None, f"{_describe(schedule, self._race_base)} "
+    race = self._race
+    if race is not None and schedule in race.times:  # it leaves the race
+      race.drop(schedule)
+      self._event("budget", None, f"{describe(schedule, race.base)} "
                   f"needs {need_bytes} B of device memory, over the budget: "
                   "out of the race")
       if schedule == before:
-        self._switch(self._race_base)
+        self._switch(race.base)
       return self.schedule != before
     if schedule != before:  # a plan the tuner has left already
       return False
@@ -346,8 +348,8 @@ class Tuner:
   def upcoming(self) -> list[LayerSchedule]:
     """The plans the next steps run: every candidate of a race (it starts
     once all are compiled), else the current plan."""
-    if self._state == "race":
-      return list(dict.fromkeys([self.schedule, *self._race]))
+    if self._phase is Phase.RACE:
+      return list(dict.fromkeys([self.schedule, *self._race.times]))
     return [self.schedule]
 
   def compiled(self, schedule: LayerSchedule, need_bytes: int,
@@ -390,19 +392,17 @@ class Tuner:
     self._cost = dataclasses.replace(self._cost, limited="compile")
     self._event("compile limit", None, f"{why}: {len(missing)} plan(s) not "
                 "compiled yet dropped")
-    if self._state != "race":
+    if self._phase is not Phase.RACE:
       self._settle(self._ran_schedule or self.schedule)
       return
+    race = self._race
     for c in missing:
-      self._race.pop(c, None)
-    if len(self._race) <= 1:
-      kept = next(iter(self._race), self._race_base)
-      self._race, self._race_queue = {}, []
-      self._settle(kept)
+      race.drop(c)
+    if len(race.times) <= 1:
+      self._settle(next(iter(race.times), race.base))
       return
-    self._race_round = 0  # nothing raced yet: it waited for them all
-    self._race_queue = list(self._race)
-    self._race_turn()
+    race.restart()
+    self._switch(race.next_turn())
 
   # ----------------------------------------------------------- measuring
 
@@ -421,22 +421,21 @@ class Tuner:
     """
     wanted = self._wanted()
     switched = self._ran_version not in (None, self.version)
-    if (wanted and (after_other or switched) and self._state != "race"
+    if (wanted and (after_other or switched) and self._phase is not Phase.RACE
         and self._deferred < _MAX_DEFERRED):
       self._deferred += 1
       return False
     return wanted
 
   def _wanted(self) -> bool:
-    if self._state == "warmup":
+    if self._phase is Phase.WARMUP:
       return self._steps >= self.options.warmup_steps
-    if self._state == "steady":
-      return self._since_check + 1 >= self._spaced(self._check_every)
-    if self._state == "race":  # the last step of a measured turn
-      return self._race_left == 1 and self._race_round > 0
-    if self._state == "confirm":
-      return self._since_check + 1 >= self._spaced(
-          self.options.confirm_every)
+    if self._phase is Phase.STEADY:
+      return self._checks.due(self._checks.every)
+    if self._phase is Phase.RACE:  # the last step of a measured turn
+      return self._race.measures_next
+    if self._phase is Phase.CONFIRM:
+      return self._checks.due(self.options.confirm_every)
     return True
 
   def step_done(self, profile: StepProfile | None) -> bool:
@@ -445,19 +444,19 @@ class Tuner:
     Returns whether the next step runs another plan (compiled already or
     to be compiled).
     """
-    before, was_steady = self.schedule, self._state == "steady"
+    before, was_steady = self.schedule, self._phase is Phase.STEADY
     self._steps += 1
     self._ran_version, self._ran_schedule = self.version, self.schedule
     switches = self._advance(profile)
     if was_steady:
-      if self._state != "steady":  # a check looked off: a new episode
+      if self._phase is not Phase.STEADY:  # a check looked off: a new episode
         self._cost = TuningCost(0, 0, 0, 0.0)
       return switches
     self._cost = dataclasses.replace(self._cost, steps=self._cost.steps + 1)
-    if (self._state != "steady" and
+    if (self._phase is not Phase.STEADY and
         self.tuning_steps >= self.options.max_tuning_steps):
       self._keep_best()
-    if self._state == "steady":
+    if self._phase is Phase.STEADY:
       self.costs.append(self._cost)
     return switches or self.schedule != before
 
@@ -465,19 +464,17 @@ class Tuner:
     """Settles on the fastest plan measured so far in this episode (the
     plan that ran, where none was): the tuning step limit."""
     measured = dict(self._measured)
-    measured.update({c: statistics.median(p.step_s for p in ps)
-                     for c, ps in {**self._race, **self._race_out}.items()
-                     if ps})
+    if self._race is not None:
+      measured.update(self._race.finish())
     best = (min(measured, key=measured.get) if measured
             else self._ran_schedule)
-    self._race, self._race_out, self._race_queue = {}, {}, []
+    self._race = None
     if best in measured:  # the prediction is what it was measured at
       self._learn_overhead(best, measured[best])
     self._switch(best)
-    self._state, self._window = "steady", []
-    self._recent = [measured[best]] if best in measured else []
-    self._since_check, self._spacing = 0, None
-    self._check_every = self.options.check_every
+    self._phase, self._window = Phase.STEADY, []
+    self._checks.reset(self.options,
+                       [measured[best]] if best in measured else [])
     self._cost = dataclasses.replace(self._cost, limited="tuning steps")
     self._event("settled", measured.get(best), "tuning step limit "
                 f"({self.options.max_tuning_steps}) reached: keeping the "
@@ -487,58 +484,54 @@ class Tuner:
 
   def _advance(self, profile: StepProfile | None) -> bool:
     """The state machine's step (see step_done)."""
-    if self._state == "race":
+    if self._phase is Phase.RACE:
       return self._race_step(profile)
     if profile is None:
-      self._since_check += 1
+      self._checks.since += 1
       return False
-    self._since_check, self._spacing, self._deferred = 0, None, 0
-    if self._state == "steady":
+    self._checks.measured()
+    self._deferred = 0
+    if self._phase is Phase.STEADY:
       if self._drifted([profile]) is None:
-        # Drift is judged median against median: a baseline that is the
-        # fastest step seen makes the machine's noise look like drift.
-        self._recent = (self._recent + [profile.step_s])[-_RECENT_CHECKS:]
+        self._checks.passed(profile.step_s, self.options)
         # The prediction follows the plan's recent steps, not only the
         # three its baseline measured (the host's pace moves).
-        self._learn_overhead(self.schedule, self._baseline_s)
+        self._learn_overhead(self.schedule, self._checks.baseline_s)
         self.prediction = self.predict(dict(self.schedule.prefetch))
-        self._check_every = min(2 * self._check_every,
-                                max(self.options.check_every,
-                                    self.options.check_every_max))
         return False
       # One slow step is often just the machine: measure a few more,
       # spaced out, before believing it (no re-plan, no recompile on
       # noise).
-      self._state, self._window = "confirm", [profile]
+      self._phase, self._window = Phase.CONFIRM, [profile]
       return False
     self._window.append(profile)
     if len(self._window) < self.options.measure_steps:
       return False
     measured = statistics.median(p.step_s for p in self._window)
-    if self._state == "baseline":
+    if self._phase is Phase.BASELINE:
       # What drift is judged against, and what the model learns last: the
       # kept plan run on its own, as it will run from now on (a race's
       # steps ran beside other plans').
-      self._recent = [p.step_s for p in self._window]
+      self._checks.recent = [p.step_s for p in self._window]
       self._learn(self._window, self.schedule, measured)
       self.prediction = self.predict(dict(self.schedule.prefetch))
-      self._planned_for.update(_median_bandwidths(self._window))
+      self._planned_for.update(median_bandwidths(self._window))
       self._planned_step = None
-      self._state, self._window = "steady", []
+      self._phase, self._window = Phase.STEADY, []
       self._event("settled", measured, "baseline for drift: "
                   f"{measured * 1e3:.2f} ms a step")
       return False
-    if self._state == "confirm":
+    if self._phase is Phase.CONFIRM:
       drift = self._drifted(self._window)
       if drift is None:
-        self._state, self._window = "steady", []
+        self._phase, self._window = Phase.STEADY, []
         return False
       seen = (f"measured {measured * 1e3:.2f} ms against "
-              f"{_ms(self._baseline_s)} (the settled plan's median over "
+              f"{_ms(self._checks.baseline_s)} (the settled plan's median over "
               "its recent checks); links " + ", ".join(
                   f"{t} {b / 1e9:.2f} GB/s" for t, b in
-                  _median_bandwidths(self._window).items()))
-      if drift == "step":
+                  median_bandwidths(self._window).items()))
+      if drift is Drift.STEP:
         # The links run as the plan was made for: the host slowed (another
         # job on its cores, say). That slows every plan alike; a race
         # would cost steps and find the same plan.
@@ -548,11 +541,11 @@ class Tuner:
         return False
       self._event("drift", measured, seen)
       self._measured.clear()  # times under the old conditions
-    after_drift = self._state == "confirm"
+    after_drift = self._phase is Phase.CONFIRM
     self._measured[self.schedule] = measured
     changed = self._learn_and_replan(measured)
     self._window = []
-    self._state = "measure"
+    self._phase = Phase.MEASURE
     if changed:
       return True
     if after_drift:
@@ -563,16 +556,7 @@ class Tuner:
     return self._start_race(measured)
 
   # -------------------------------------------------------------- racing
-  #
-  # The model's plan is checked against what the device does: the plan and
-  # the uniform distances of `options.explore` (within the budget) run in
-  # turn, `race_block` steps each per round (the last one timed), for
-  # `race_rounds` rounds after a round that warms each compiled plan up.
-  # Interleaving puts the machine's changing load on every candidate
-  # alike; each is judged by its median.
-  # Candidates not yet surely slower than the fastest then race on (up to
-  # `race_max_rounds`): the closer two plans, the more steps it takes to
-  # tell them apart on a noisy machine.
+  # (see race.py)
 
   def _start_race(self, measured_s: float) -> bool:
     base = self.schedule
@@ -598,142 +582,84 @@ class Tuner:
     if len(candidates) == 1:
       self._settle(base)
       return False
-    self._race = {c: [] for c in candidates}
-    self._race_base = base
-    self._race_round = 0
-    self._race_queue = list(candidates)
+    self._race = Race(candidates, base, self.options)
     block = max(1, self.options.race_block)
     self._event("race", measured_s, "measuring in turn"
                 + (f" ({block} steps each back to back, the last timed)"
                    if block > 1 else "") + ": " + ", ".join(
-        _describe(c, base) for c in candidates))
-    self._state = "race"
-    self._race_turn()
+        describe(c, base) for c in candidates))
+    self._phase = Phase.RACE
+    self._switch(self._race.next_turn())
     return True
 
-  def _race_turn(self) -> None:
-    """Switches to the next candidate in the queue, for its turn."""
-    self._switch(self._race_queue.pop(0))
-    # Round 0 warms each compiled plan up: a step is enough.
-    self._race_left = (max(1, self.options.race_block)
-                       if self._race_round > 0 else 1)
-
   def _race_step(self, profile: StepProfile | None) -> bool:
-    self._race_left -= 1
-    if self._race_left > 0:  # the candidate's turn goes on
+    turn = self._race.step(self.schedule, profile)
+    if turn is Turn.OVER:
+      return self._end_race()
+    if turn is Turn.GOES_ON:
       return False
-    if self._race_round > 0 and profile is not None:
-      self._race[self.schedule].append(profile)
-    if not self._race_queue:
-      order = self._contenders()
-      self._race_round += 1
-      alone = len(order) == 1 and self._race[order[0]]  # and measured
-      if alone or self._race_round > self._rounds_allowed():
-        return self._end_race()
-      shift = self._race_round % len(order)
-      self._race_queue = order[shift:] + order[:shift]
     before = self.schedule
-    self._race_turn()
+    self._switch(self._race.next_turn())
     return self.schedule != before
 
-  def _race_medians(self) -> dict[LayerSchedule, float]:
-    return {c: statistics.median(p.step_s for p in profiles)
-            for c, profiles in self._race.items() if profiles}
-
-  def _rounds_allowed(self) -> int:
-    return max(self.options.race_rounds, self.options.race_max_rounds)
-
-  def _contenders(self) -> list[LayerSchedule]:
-    """The candidates that run the next round: all of them for the first
-    `race_rounds`, then those not surely slower than the fastest median
-    (`_surely_slower`)."""
-    if self._race_round < max(1, self.options.race_rounds):
-      return list(self._race)
-    medians = self._race_medians()
-    leader = min(medians, key=medians.get)
-    for c in [c for c in self._race if c != leader and _surely_slower(
-        self._race[c], self._race[leader], self.options.race_alpha)]:
-      self._race_out[c] = self._race.pop(c)
-    return list(self._race)
-
   def _end_race(self) -> bool:
-    self._race.update(self._race_out)
-    self._race_out = {}
-    medians = self._race_medians()
+    race = self._race
+    medians = race.finish()
     self._measured.update(medians)
     best = min(medians, key=medians.get)
-    base = self._race_base
     verdict = ("raced (median step; its compute, stall and bytes copied "
                "while computing): " + ", ".join(
-        f"{_describe(c, base)} {t * 1e3:.2f} ms ({_split(self._race[c])})"
-        for c, t in medians.items()) + f"; keeping {_describe(best, base)}")
+        f"{describe(c, race.base)} {t * 1e3:.2f} ms "
+        f"({_split(race.times[c])})" for c, t in medians.items())
+               + f"; keeping {describe(best, race.base)}")
     self._event("raced", medians[best], verdict)
-    # The planner's reasons explain the model's plan: only where it is
+    # choose_schedule's reasons explain the model's plan: only where it is
     # kept do they explain the plan that runs.
     self.reasons = (tuple(r for r in self.reasons if not r.startswith("raced"))
-                    if best == base else ()) + (verdict,)
+                    if best == race.base else ()) + (verdict,)
     # The race's steps (interleaved, compiled steps warmed up) say more
     # than the window measured right after a recompile, and the kept
     # plan's own steps say how it computes: where the device shares the
     # host's cores with the copies (XLA:CPU), compute runs slower under a
     # plan that overlaps more transfers with it.
-    self._learn(self._race[best], best, medians[best])
-    self._race = {}
+    self._learn(race.times[best], best, medians[best])
     before = self.schedule
     self._settle(best)
     return self.schedule != before
 
   def _settle(self, schedule: LayerSchedule) -> None:
     """Keeps `schedule`; its next steps are measured for a baseline."""
+    self._race = None
     self._switch(schedule)
     self._window = []
-    self._state = "baseline"
-    self._recent = []
-    self._since_check, self._spacing = 0, None
-    self._check_every = self.options.check_every
-
-  def _spaced(self, interval: int) -> int:
-    """Steps from the last check to the next: `interval`, give or take a
-    quarter, drawn once per wait. At a fixed period a check can fall on
-    the same step of a periodic loop every time: where two steps of this
-    plan follow another plan's (a benchmark's rounds, a train/eval loop),
-    on the first, which runs up to 40% slower, and the tuner saw a drift
-    that was not there."""
-    if self._spacing is None:
-      self._spacing = interval + self._rng.randint(-(interval // 4),
-                                                   interval // 4)
-    return self._spacing
-
-  @property
-  def _baseline_s(self) -> float | None:
-    """The settled plan's median step over its last checks."""
-    return statistics.median(self._recent) if self._recent else None
+    self._phase = Phase.BASELINE
+    self._checks.reset(self.options)
 
   def _switch(self, schedule: LayerSchedule) -> None:
     self.schedule = schedule
     self.version = self._versions.setdefault(schedule, len(self._versions))
     self.prediction = self.predict(dict(schedule.prefetch))
 
-  def _drifted(self, profiles: Sequence[StepProfile]) -> str | None:
+  def _drifted(self, profiles: Sequence[StepProfile]) -> Drift | None:
     """Whether a link slowed from what the plan was made for and the step
-    with it ("link"), or only the step slowed from its baseline ("step"),
-    or neither (None); medians over `profiles`."""
-    base = self._baseline_s
+    with it, or only the step slowed from its baseline, or neither (None);
+    medians over `profiles`."""
+    base = self._checks.baseline_s
     step_s = statistics.median(p.step_s for p in profiles)
     # A link counts by what it does to this plan's step: the achieved
     # bandwidth of small or well-hidden transfers swings widely with no
     # effect on the step at all. Only a slower link counts: a faster one
     # leaves the plan as good.
     measured = {t: costmodel.Link(bw) for t, bw in
-                _median_bandwidths(profiles).items() if t in self._links}
+                median_bandwidths(profiles).items() if t in self._links}
     if measured:
       then = self._planned_step_s()
       moved = self._simulate({**self._planned_links(), **measured}) - then
       if moved > self.options.link_drift * then and (
           not base or step_s > base):
-        return "link"
+        return Drift.LINK
     if base and step_s > (1 + self.options.drift) * base:
-      return "step"
+      return Drift.STEP
     return None
 
   def _planned_links(self) -> dict[str, costmodel.Link]:
@@ -808,25 +734,6 @@ class Tuner:
     return dict(self._links)
 
 
-def _median_bandwidths(profiles: Sequence[StepProfile]) -> dict[str, float]:
-  seen: dict[str, list[float]] = {}
-  for p in profiles:
-    for tier, bw in p.bandwidth_by_tier.items():
-      seen.setdefault(tier, []).append(bw)
-  return {tier: statistics.median(bws) for tier, bws in seen.items()}
-
-
-def _surely_slower(times: Sequence[StepProfile],
-                   fastest: Sequence[StepProfile], alpha: float) -> bool:
-  """Whether `times` ran slower than `fastest` in so many of the rounds
-  both ran (paired by round) that chance alone would do so at most
-  `alpha` of the time."""
-  pairs = list(zip(times, fastest))
-  slower = sum(a.step_s > b.step_s for a, b in pairs)
-  chance = sum(math.comb(len(pairs), k) for k in range(slower, len(pairs) + 1))
-  return bool(pairs) and chance / 2**len(pairs) <= alpha
-
-
 def _split(profiles: Sequence[StepProfile]) -> str:
   """Median compute, stall and bytes copied while computing of measured
   steps, for the history: on a device that shares the host's cores with
@@ -840,16 +747,6 @@ def _split(profiles: Sequence[StepProfile]) -> str:
           + f"{stall * 1e3:.1f} stalled" + (
               f", {format_bytes(int(statistics.median(overlap)))} copied "
               "while computing" if overlap else ""))
-
-
-def _describe(schedule: LayerSchedule, base: LayerSchedule) -> str:
-  """How a raced plan is named in the tuner's history."""
-  if schedule == base:
-    return "the model's plan"
-  distances = set(dict(schedule.prefetch).values())
-  if len(distances) == 1:
-    return f"every layer {distances.pop()} ahead"
-  return "an earlier plan"
 
 
 def _ms(seconds: float | None) -> str:

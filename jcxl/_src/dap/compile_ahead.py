@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jcxl._src.schedule import LayerSchedule
-from jcxl._src.tuner import Tuner
+from jcxl._src.dap.tuner import Tuner
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """The cost model behind adaptive schedules: a step as a timeline of layer
-segments, a simulator of the device and the links, and a planner.
+segments, a simulator of the device and the links, and the search for a
+schedule (`choose_schedule`).
 
 A step is cut at its layer boundaries (where a layer's pool-resident leaves
 are needed) into ``Segment``s: the fetch that must finish before the
@@ -21,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from jcxl._src.units import format_bytes
 
-# What the planner may choose per layer. Chunks below the pool's default
+# What `choose_schedule` may choose per layer. Chunks below the pool's default
 # (4 MiB) measured slower here (per-chunk costs the model does not have).
 MAX_PREFETCH = 8
 MIN_CHUNK = 4 << 20
@@ -65,7 +66,7 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-  """A tier's link as the planner sees it.
+  """A tier's link as the cost model sees it.
 
   Attributes:
     bandwidth: bytes per second.
@@ -218,7 +219,7 @@ def simulate(segments: Sequence[Segment], prefetch: Mapping[str, int],
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """The planner's answer: per-layer distances and chunks, and why."""
+  """`choose_schedule`'s answer: per-layer distances and chunks, and why."""
   prefetch: dict[str, int]
   chunk_bytes: dict[str, int]
   prediction: Prediction
@@ -249,10 +250,10 @@ def choose_chunks(segments: Sequence[Segment],
   return out
 
 
-def plan(segments: Sequence[Segment], links: Mapping[str, Link], *,
-         prefetch_budget: int | None = None,
-         max_prefetch: int = MAX_PREFETCH,
-         start: Mapping[str, int] | None = None) -> Choice:
+def choose_schedule(segments: Sequence[Segment], links: Mapping[str, Link],
+                    *, prefetch_budget: int | None = None,
+                    max_prefetch: int = MAX_PREFETCH,
+                    start: Mapping[str, int] | None = None) -> Choice:
   """Chooses a prefetch distance per layer that minimizes the simulated
   step time while the prefetched bytes live at once stay within
   `prefetch_budget` (None: no limit).
@@ -292,7 +293,7 @@ def _uniform_starts(max_prefetch: int) -> list[int]:
 def _greedy(segments: Sequence[Segment], links: Mapping[str, Link],
             prefetch_budget: int | None, max_prefetch: int,
             start: Mapping[str, int] | None) -> Choice:
-  """`plan`'s greedy search from one start."""
+  """`choose_schedule`'s greedy search from one start."""
   names = list(dict.fromkeys(s.name for s in segments if s.nbytes))
   # A fetch cannot be issued before the first segment of its sequence
   # (the step's start, or a streamed loop's first iteration).

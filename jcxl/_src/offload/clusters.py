@@ -12,16 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from jcxl._src import compute_estimate
-from jcxl._src import costmodel
+from jcxl._src.dap import compute_estimate
+from jcxl._src.dap import costmodel
 from jcxl._src import schedule as schedule_lib
 from jcxl._src.pool_array import PoolArray
-from jcxl._src.program import Lit
-from jcxl._src.program import Node
-from jcxl._src.program import Program
-from jcxl._src.program import group_of
-from jcxl._src.program import layer_of
-from jcxl._src.sliced_update import SlicedNode
+from jcxl._src.offload.program import Lit
+from jcxl._src.offload.program import Node
+from jcxl._src.offload.program import Program
+from jcxl._src.offload.program import group_of
+from jcxl._src.offload.program import layer_of
+from jcxl._src.offload.sliced_update import SlicedNode
 
 # Higher-order primitives that may take a pool-resident value whole.
 _WHOLE = frozenset({"cond", "while", "scan"})
@@ -58,7 +58,7 @@ def _scan_streamed_positions(node: Node, program: Program,
   return out
 
 
-class Planner:
+class FetchClusters:
   """Finds the clusters of uses, the step's layer timeline, and (given a
   schedule) when each cluster's fetch is issued."""
 
@@ -128,7 +128,7 @@ class Planner:
           self.cluster_at[(c.key, i)] = c
     self.starts_at: dict[int, list[Cluster]] = collections.defaultdict(list)
 
-  def schedule_fetches(self, schedule: schedule_lib.LayerSchedule) -> None:
+  def set_schedule(self, schedule: schedule_lib.LayerSchedule) -> None:
     """Sets when each cluster's fetch is issued under `schedule`."""
     self.starts_at.clear()
     for c in self.clusters:
@@ -261,15 +261,15 @@ class Planner:
     return None
 
 
-def unordered_reads(program: Program, planner: Planner,
+def unordered_reads(program: Program, fetches: FetchClusters,
                      stores: dict[Any, PoolArray]) -> dict[Any, list]:
   """Per stored output: the fetches of the value it overwrites that its
   own computation does not depend on (an optimizer schedule reading the
   step count, say). Only those need an explicit order: the others are
   done before the new value exists."""
-  old = {id(v): k for k, v in planner.resident.items()}
+  old = {id(v): k for k, v in fetches.resident.items()}
   overwritten = {old[id(t)] for t in stores.values()}
-  clusters = [c for c in planner.clusters if c.key in overwritten]
+  clusters = [c for c in fetches.clusters if c.key in overwritten]
   bit = {id(c): 1 << j for j, c in enumerate(clusters)}
   depends: dict[Any, int] = {}  # value -> bits of the reads it needs
   for i, node in enumerate(program.nodes):
@@ -279,7 +279,7 @@ def unordered_reads(program: Program, planner: Planner,
       if isinstance(key, Lit):
         continue
       needs |= depends.get(key, 0)
-      c = planner.cluster_at.get((key, i))
+      c = fetches.cluster_at.get((key, i))
       if c is not None:
         needs |= bit.get(id(c), 0)
     for key in node.outs:

@@ -22,9 +22,9 @@ import numpy as np
 
 from jcxl._src import jax_compat
 from jcxl._src.pool_array import PoolArray
-from jcxl._src.program import Lit
-from jcxl._src.program import Node
-from jcxl._src.program import Program
+from jcxl._src.offload.program import Lit
+from jcxl._src.offload.program import Node
+from jcxl._src.offload.program import Program
 
 ELEMENTWISE = frozenset({
     "abs", "add", "and", "clamp", "convert_element_type", "copy", "copy_p",
