@@ -22,6 +22,7 @@ from jcxl._src import schedule as schedule_lib
 from jcxl._src.dap import tuner as tuner_lib
 from jcxl._src.pool import Tier
 from jcxl._src.pool import TransferRecord
+from tests.transform_test import make_step
 
 MiB = 1 << 20
 LINK = {"cxl": costmodel.Link(bandwidth=1e9, latency_s=0.0)}
@@ -234,14 +235,6 @@ def mlp(dims=(16, 64, 16, 64, 16)):
       h = jnp.tanh(h @ p[f"l{i}"]["w"])
     return jnp.mean(h ** 2)
   return params, loss_fn
-
-
-def make_step(loss_fn, tx):
-  def train_step(params, opt_state, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return train_step
 
 
 @pytest.fixture
