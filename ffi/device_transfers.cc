@@ -16,6 +16,9 @@ constexpr uint64_t kSmallestClass = 64;
 constexpr uint64_t kLargeClassStep = 64ull << 20;
 // Idle bounce bytes kept beyond a step's working set.
 constexpr uint64_t kBounceIdleCap = 512ull << 20;
+// Index slots allocated ahead (a slot is held from a start until a worker
+// has read it), refilled by the completion thread below a quarter.
+constexpr size_t kIndexSlots = 64;
 
 }  // namespace
 
@@ -74,6 +77,24 @@ void HostBufferCache::Release(Buffer buffer) {
   idle_.emplace(buffer.bytes, buffer.data);
   stats_.in_use_bytes -= buffer.bytes;
   stats_.idle_bytes += buffer.bytes;
+}
+
+void HostBufferCache::Reserve(uint64_t bytes, size_t low, size_t high) {
+  const uint64_t size = SizeClass(bytes);
+  size_t idle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    idle = idle_.count(size);
+  }
+  if (idle >= low) return;
+  for (; idle < high; ++idle) {
+    StatusOr<void*> data = alloc_(size);
+    if (!data.ok()) return;  // Acquire will try, and report it
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.emplace(size, *data);
+    ++stats_.allocations;
+    stats_.idle_bytes += size;
+  }
 }
 
 void HostBufferCache::Trim() {
@@ -160,6 +181,7 @@ struct DeviceTransfers::Job {
   std::condition_variable cv;
   bool finished = false;  // `done` is recorded, or the transfer failed
   Status status;
+  bool completed = false;  // Complete filled `record` (the log waits)
 
   ~Job() {
     if (ready) ops->ReleaseEvent(ready);
@@ -176,13 +198,18 @@ DeviceTransfers::DeviceTransfers(std::unique_ptr<DeviceOps> ops,
       bounce_([this](uint64_t n) { return ops_->AllocHost(n); },
               [this](void* p) { ops_->FreeHost(p); }, kBounceIdleCap),
       slots_([this](uint64_t n) { return ops_->AllocHost(n); },
-             [this](void* p) { ops_->FreeHost(p); }, 0) {}
+             [this](void* p) { ops_->FreeHost(p); }, 0) {
+  // Once, with the device's setup: page-locked allocations synchronize,
+  // so none is made per start on XLA's launch thread.
+  slots_.Reserve(sizeof(int32_t), kIndexSlots, kIndexSlots);
+}
 
 DeviceTransfers::~DeviceTransfers() { Drain(); }
 
 void DeviceTransfers::Drain() {
   workers_.Drain();
   completions_.Drain();
+  logs_.Drain();
 }
 
 DeviceCounters DeviceTransfers::counters() {
@@ -245,13 +272,17 @@ Status DeviceTransfers::Start(DeviceRequest request) {
   }
   job->ready = *ready;
   bool taken = false;
+  Status started;
   if (r.index_on_device == nullptr) {
-    JCXL_RETURN_IF_ERROR(StartDirect(job, r.offset, &taken));
+    started = StartDirect(job, r.offset, &taken);
+    if (!started.ok() && !taken) return started;  // nothing was queued
   }
   if (!taken) workers_.Post([this, job] { RunDeferred(job); });
+  // Also a direct start that failed part-way: a later start into its
+  // buffer waits for the copies it did queue.
   std::lock_guard<std::mutex> lock(mu_);
   in_flight_[job->r.device_buffer] = job;
-  return Status::Ok();
+  return started;
 }
 
 Status DeviceTransfers::StartDirect(const std::shared_ptr<Job>& job,
@@ -289,14 +320,19 @@ Status DeviceTransfers::StartDirect(const std::shared_ptr<Job>& job,
     if (!status.ok()) break;
     status = ops_->Copy(r.direction, device + done, piece.address,
                         piece.bytes);
-    done += piece.bytes;
+    if (status.ok()) done += piece.bytes;
   }
-  if (status.ok()) {
+  // Recorded also after a failed copy if earlier ones were queued: the
+  // range is unpinned, and the buffer reused, only once they ran.
+  if (status.ok() || done > 0) {
     StatusOr<DeviceEvent> recorded = ops_->RecordOnCopy(r.direction);
     if (recorded.ok()) {
       job->done = *recorded;
     } else {
-      status = recorded.status();
+      if (status.ok()) status = recorded.status();
+      // Queued copies with no way to know when they end: the range stays
+      // pinned (and Close keeps it mapped) for good.
+      if (done > 0) job->pinned = false;
     }
   }
   {
@@ -389,42 +425,56 @@ void DeviceTransfers::Finish(const std::shared_ptr<Job>& job, Status status) {
     std::lock_guard<std::mutex> lock(mu_);
     ++counters_.failed;
   }
-  // Posted before `finished` is set: a done's log task (posted after it
-  // saw `finished`) runs after the completion.
-  completions_.Post([this, job] { Complete(job); });
   {
     std::lock_guard<std::mutex> lock(job->mu);
-    job->status = std::move(status);
+    job->status = std::move(status);  // before Complete may read it
     job->finished = true;
   }
   job->cv.notify_all();
+  completions_.Post([this, job] { Complete(job); });
 }
 
 void DeviceTransfers::Complete(const std::shared_ptr<Job>& job) {
   int64_t transfer_ns = -1;
+  int64_t ended_ns = -1;
   bool ok = true;
   if (job->done) {
     ok = ops_->Sync(job->done).ok();
-    if (ok) transfer_ns = ops_->ElapsedNs(job->ready, job->done);
+    if (ok) {
+      transfer_ns = ops_->ElapsedNs(job->ready, job->done);
+      ended_ns = ops_->HostNsOf(job->done);
+    }
   }
-  const int64_t now = NowNs();
+  bool job_ok;
+  {
+    std::lock_guard<std::mutex> lock(job->mu);
+    job_ok = ok && job->status.ok();
+  }
   if (job->pinned) {
-    if (!ok) job->range.bytes = 0;  // not known to have moved
+    if (!job_ok) job->range.bytes = 0;  // not known to have moved
     job->r.pool->EndDirect(job->range);
     job->pinned = false;
   }
   slots_.Release(job->slot);
   job->slot = {};
+  slots_.Reserve(sizeof(int32_t), kIndexSlots / 4, kIndexSlots);
   if (!job->bounce_lost) bounce_.Release(job->bounce);
   job->bounce = {};
   bounce_.Trim();
   {
+    // The DMA's end as the device saw it, not this thread's reaping.
+    const int64_t now = NowNs();
+    const int64_t end = ended_ns >= 0 ? std::min(ended_ns, now) : now;
     std::lock_guard<std::mutex> lock(job->mu);
-    job->record.finished_ns = now;
+    job->record.finished_ns = end;
     job->record.started_ns =
-        transfer_ns >= 0 ? now - transfer_ns : job->record.queued_ns;
-    job->record.ok = ok && job->status.ok();
+        transfer_ns >= 0
+            ? std::max(job->record.queued_ns, end - transfer_ns)
+            : job->record.queued_ns;
+    job->record.ok = job_ok;
+    job->completed = true;
   }
+  job->cv.notify_all();
   // Off the launch path and outside any device callback: the last
   // reference may close the pool, which unlocks its pages.
   job->r.pool.reset();
@@ -453,14 +503,19 @@ Status DeviceTransfers::Done(void* compute, const void* buffer) {
   StatusOr<DeviceEvent> after = ops_->RecordOnCompute(compute);
   const DeviceEvent pre = before.ok() ? *before : 0;
   const DeviceEvent post = after.ok() ? *after : 0;
-  completions_.Post([this, job, pre, post] {
+  // On the log thread: its syncs hold back no release.
+  logs_.Post([this, job, pre, post] {
     DeviceWait wait;
+    int64_t started_ns = -1;
     if (pre && post && ops_->Sync(post).ok()) {
       wait.wait_ns = std::max<int64_t>(0, ops_->ElapsedNs(pre, post));
+      started_ns = ops_->HostNsOf(pre);
     }
-    wait.wait_started_ns = NowNs() - wait.wait_ns;
+    wait.wait_started_ns =
+        started_ns >= 0 ? started_ns : NowNs() - wait.wait_ns;
     {
-      std::lock_guard<std::mutex> lock(job->mu);
+      std::unique_lock<std::mutex> lock(job->mu);
+      job->cv.wait(lock, [&] { return job->completed; });
       wait.record = job->record;
     }
     if (pre) ops_->ReleaseEvent(pre);

@@ -29,11 +29,16 @@
 //
 // Nothing runs inside a device callback: a completion thread waits for each
 // transfer's `done` event, then unpins the object, returns the bounce
-// buffer and the index slot, drops the pool reference (which may close the
-// pool and unlock its pages) and logs the transfer's timing for the
-// profiler. Bounce buffers are reused by size class and freed only by that
-// thread. A start whose device buffer still has a transfer in flight (a
-// failed step left it behind) makes the compute stream wait for it first.
+// buffer and the index slot and drops the pool reference (which may close
+// the pool and unlock its pages). A separate log thread waits for each
+// `done`'s compute-side wait and logs it with the transfer's timing (from
+// the device's events) for the profiler, so that logging never holds back
+// a release. Bounce buffers are reused by size class and freed only by the
+// completion thread; index slots are allocated ahead, at construction and
+// by the completion thread. A start whose device buffer still has a
+// transfer in flight (a failed step left it behind, or a direct start that
+// failed after queueing some of its copies) makes the compute stream wait
+// for it first.
 #ifndef JCXL_FFI_DEVICE_TRANSFERS_H_
 #define JCXL_FFI_DEVICE_TRANSFERS_H_
 
@@ -77,6 +82,9 @@ class DeviceOps {
   virtual Status Sync(DeviceEvent event) = 0;
   // Nanoseconds from `from` to `to`, both completed; negative if unknown.
   virtual int64_t ElapsedNs(DeviceEvent from, DeviceEvent to) = 0;
+  // When the completed `event` happened, on the host clock (NowNs), as
+  // closely as the device tells; negative if unknown.
+  virtual int64_t HostNsOf(DeviceEvent event) = 0;
   // Back to the device's event pool (events are reused, never destroyed
   // on the launch path).
   virtual void ReleaseEvent(DeviceEvent event) = 0;
@@ -111,6 +119,9 @@ class HostBufferCache {
   static uint64_t SizeClass(uint64_t bytes);
   StatusOr<Buffer> Acquire(uint64_t bytes);
   void Release(Buffer buffer);
+  // When fewer than `low` buffers of `bytes`' class are idle, allocates
+  // idle ones up to `high` (ahead of Acquire, off the launch path).
+  void Reserve(uint64_t bytes, size_t low, size_t high);
   void Trim();
   Stats stats();
 
@@ -217,8 +228,10 @@ class DeviceTransfers {
   std::mutex mu_;
   std::unordered_map<const void*, std::shared_ptr<Job>> in_flight_;
   DeviceCounters counters_;
-  // Declared last: destroyed (drained and joined) first.
+  // Declared last: destroyed (drained and joined) first, workers (which
+  // post completions) before the log thread (which waits for them).
   TaskThreads completions_{1};
+  TaskThreads logs_{1};
   TaskThreads workers_{2};
 };
 

@@ -50,15 +50,17 @@ Status PageLocks::Ensure(char* region_base, uint64_t region_bytes,
     }
     Chunk chunk;
     chunk.bytes = std::min<uint64_t>(chunk_bytes_, region_end - start);
-    Status locked = locker_->Lock(start, chunk.bytes);
+    StatusOr<bool> locked = locker_->Lock(start, chunk.bytes);
     chunk.locked = locked.ok();
+    chunk.owned = locked.ok() && *locked;
     chunks_.emplace(start, chunk);
     if (!locked.ok()) {
       ++stats_.failed_chunks;
       ++stats_.refused_ranges;
-      stats_.last_error = locked.message();
-      return locked;
+      stats_.last_error = locked.status().message();
+      return locked.status();
     }
+    if (!chunk.owned) ++stats_.borrowed_chunks;
     ++stats_.locked_chunks;
     stats_.locked_bytes += chunk.bytes;
   }
@@ -109,11 +111,12 @@ void PageLocks::ReleaseUnlocked(
 void PageLocks::UnlockAll() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [start, chunk] : chunks_) {
-    if (chunk.locked) locker_->Unlock(start, chunk.bytes);
+    if (chunk.owned) locker_->Unlock(start, chunk.bytes);
   }
   chunks_.clear();
   stats_.locked_bytes = 0;
   stats_.locked_chunks = 0;
+  stats_.borrowed_chunks = 0;
 }
 
 PageLockStats PageLocks::stats() {

@@ -35,13 +35,17 @@ namespace jcxl {
 class PageLocker {
  public:
   virtual ~PageLocker() = default;
-  virtual Status Lock(char* address, uint64_t bytes) = 0;
+  // true: this call locked the range, and Unlock will be called for it.
+  // false: someone else had locked all of it (another library): usable for
+  // DMA, but theirs to unlock, never jcxl's.
+  virtual StatusOr<bool> Lock(char* address, uint64_t bytes) = 0;
   virtual void Unlock(char* address, uint64_t bytes) = 0;
 };
 
 struct PageLockStats {
   uint64_t locked_bytes = 0;
   uint64_t locked_chunks = 0;
+  uint64_t borrowed_chunks = 0;  // locked by someone else: never unlocked
   uint64_t failed_chunks = 0;    // remembered: never tried again
   uint64_t refused_ranges = 0;   // Ensure calls that touched a failed chunk
   uint64_t skipped_release_bytes = 0;  // kept: they lie in locked chunks
@@ -86,7 +90,9 @@ class PageLocks {
   void ReleaseUnlocked(char* begin, uint64_t bytes,
                        const std::function<void(char*, uint64_t)>& release);
 
-  // Unlocks every chunk (the pool's Close, before it unmaps the arenas).
+  // Unlocks every chunk this locked (the pool's Close, or its last
+  // EndDirect after Close, before the arenas are unmapped) and forgets the
+  // borrowed ones.
   void UnlockAll();
 
   PageLockStats stats();
@@ -95,6 +101,7 @@ class PageLocks {
   struct Chunk {
     uint64_t bytes = 0;
     bool locked = false;  // else failed
+    bool owned = false;   // locked by this (else borrowed): unlock it
   };
   std::mutex mu_;
   std::shared_ptr<PageLocker> locker_;

@@ -489,6 +489,9 @@ void Pool::EndDirect(const DirectRange& range) {
     tier = it == objects_.end() ? 0 : it->second.tier;
     if (--direct_pins_ == 0) unmap.swap(retired_arenas_);
   }
+  // The last direct copy Close outwaited: its chunks unlock now, before the
+  // arenas Close kept mapped for it are unmapped.
+  if (!unmap.empty()) page_locks_.UnlockAll();
   Unpin(IndexOf(range.handle), tier, range.direction, range.bytes);
 }
 
@@ -740,8 +743,10 @@ Status Pool::Close(int64_t timeout_ns) {
   std::vector<std::function<void()>> on_close;
   on_close.swap(on_close_);
   for (auto& fn : on_close) fn();
-  page_locks_.UnlockAll();  // before the arenas are unmapped
   lock.lock();
+  // Before the arenas are unmapped; while a direct copy is still under way
+  // (past the timeout) its pages stay locked, as mapped, until EndDirect.
+  if (direct_pins_ == 0) page_locks_.UnlockAll();
   for (Tier& tier : tiers_) {
     for (TierArena& arena : tier.arenas) {
       // A direct copy still under way past the timeout: its memory stays

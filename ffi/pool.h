@@ -144,7 +144,8 @@ class Pool {
   // Page-locking for a DMA engine outside the pool (see page_locks.h): the
   // engine installs its locker and locks what its direct transfers touch;
   // freed pages in a locked chunk are never given back to the system, and
-  // Close() unlocks every chunk before it unmaps the arenas.
+  // Close() unlocks every chunk before it unmaps the arenas (or, while a
+  // direct range is still lent past its timeout, the last EndDirect does).
   PageLocks& page_locks() { return page_locks_; }
   // Every memory arena's mapping (what BeginDirect addresses lie in).
   std::vector<MemoryRegion> MemoryRegions();

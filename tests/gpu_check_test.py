@@ -105,6 +105,22 @@ def test_parts_are_written_as_they_end_and_survive_a_kill(
   assert not os.path.exists(os.path.join(tmp_path, "steps.json"))
 
 
+def test_reuse_fails_where_the_second_object_lands_elsewhere(
+    experiment, tmp_path, monkeypatch):
+  """(b) tests reuse only if the second object took the first one's
+  offsets: exact bytes at another offset do not pass it."""
+  offsets = iter(range(100))  # every object at a new offset
+  monkeypatch.setattr(gpu_check, "_offset", lambda pool, x: next(offsets))
+  config = experiment(gpu_check)(
+      "--dry_run", f"--run_dir={tmp_path}", "--transfer_bytes=64KiB",
+      "--parts=reuse", f"--nvme_dir={tmp_path}")
+  part = gpu_check.reuse(config, {})
+  assert [t["same_offsets"] for t in part["tiers"]] == [False, False]
+  assert all(t["second_exact"] and t["stored_exact"] for t in part["tiers"])
+  assert not any(t["passed"] for t in part["tiers"])
+  assert not part["passed"]
+
+
 def test_targets_and_table_take_missing_failed_and_empty_parts():
   header = {"device": "cpu:0", "kind": "DRY RUN", "gpu": False}
   nothing = gpu_check.targets({**header, "parts": {}})

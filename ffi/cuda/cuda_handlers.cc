@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device_transfers.h"
+#include "link_model.h"
 #include "pool.h"
 #include "stream_common.h"
 #include "stream_handlers.h"
@@ -57,19 +58,37 @@ Status CudaStatus(const char* what, cudaError_t error) {
 // use them).
 class CudaLocker : public PageLocker {
  public:
-  Status Lock(char* address, uint64_t bytes) override {
+  StatusOr<bool> Lock(char* address, uint64_t bytes) override {
     cudaError_t error =
         cudaHostRegister(address, bytes, cudaHostRegisterPortable);
     if (error == cudaErrorHostMemoryAlreadyRegistered) {
-      cudaGetLastError();  // clears it: the chunk is usable as it is
-      return Status::Ok();
+      cudaGetLastError();  // clears it
+      // Someone else's registration: usable if it covers the chunk (its
+      // ends, as far as CUDA tells), and never unregistered by jcxl.
+      if (Registered(address) && Registered(address + bytes - 1)) {
+        return false;
+      }
+      return Status(Code::kInternal,
+                    "cudaHostRegister of " + FormatBytes(bytes) +
+                        ": part of it is registered by someone else");
     }
-    if (error != cudaSuccess) cudaGetLastError();
-    return CudaStatus(("cudaHostRegister of " + FormatBytes(bytes)).c_str(),
-                      error);
+    if (error != cudaSuccess) {
+      cudaGetLastError();
+      return CudaStatus(
+          ("cudaHostRegister of " + FormatBytes(bytes)).c_str(), error);
+    }
+    return true;
   }
   void Unlock(char* address, uint64_t) override {
     cudaHostUnregister(address);
+  }
+
+ private:
+  static bool Registered(void* address) {
+    unsigned int flags = 0;
+    if (cudaHostGetFlags(&flags, address) == cudaSuccess) return true;
+    cudaGetLastError();
+    return false;
   }
 };
 
@@ -141,6 +160,21 @@ class CudaDevice : public DeviceOps {
     }
     return static_cast<int64_t>(static_cast<double>(ms) * 1e6);
   }
+  int64_t HostNsOf(DeviceEvent event) override {
+    std::lock_guard<std::mutex> lock(anchor_mu_);
+    // Re-anchored every second: a float of milliseconds since the anchor
+    // keeps sub-microsecond precision that long.
+    if (anchor_host_ns_ < 0 || NowNs() - anchor_host_ns_ > 1'000'000'000) {
+      if (!Reanchor()) return -1;
+    }
+    float ms = 0;  // negative where the event came before the anchor
+    if (cudaEventElapsedTime(&ms, anchor_, ToEvent(event)) != cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    return anchor_host_ns_ + static_cast<int64_t>(static_cast<double>(ms) *
+                                                  1e6);
+  }
   void ReleaseEvent(DeviceEvent event) override {
     std::lock_guard<std::mutex> lock(mu_);
     free_events_.push_back(ToEvent(event));
@@ -166,6 +200,28 @@ class CudaDevice : public DeviceOps {
   Status Current() {
     return CudaStatus("cudaSetDevice", cudaSetDevice(ordinal_));
   }
+  // Ties the device's event clock to the host's: an event recorded on an
+  // idle stream of its own, synced by spinning (no wake-up latency), is
+  // stamped at most that sync's latency late.
+  bool Reanchor() {
+    cudaError_t error = cudaSetDevice(ordinal_);
+    if (error == cudaSuccess && anchor_ == nullptr) {
+      error = cudaStreamCreateWithFlags(&anchor_stream_,
+                                        cudaStreamNonBlocking);
+      if (error == cudaSuccess) {
+        error = cudaEventCreateWithFlags(&anchor_, cudaEventDefault);
+      }
+    }
+    if (error == cudaSuccess) error = cudaEventRecord(anchor_, anchor_stream_);
+    if (error == cudaSuccess) error = cudaEventSynchronize(anchor_);
+    if (error != cudaSuccess) {
+      cudaGetLastError();
+      anchor_host_ns_ = -1;
+      return false;
+    }
+    anchor_host_ns_ = NowNs();
+    return true;
+  }
   cudaStream_t StreamOf(Direction direction) {
     return direction == Direction::kFromPool ? to_device_ : from_device_;
   }
@@ -178,9 +234,13 @@ class CudaDevice : public DeviceOps {
         free_events_.pop_back();
       }
     }
-    if (event == nullptr) {  // timing on: the profiler reads the waits
-      JCXL_RETURN_IF_ERROR(
-          CudaStatus("cudaEventCreate", cudaEventCreate(&event)));
+    if (event == nullptr) {
+      // Timing stays on (the profiler reads each transfer's and wait's
+      // times from these events); synced by sleeping, not spinning, on
+      // jcxl's threads.
+      JCXL_RETURN_IF_ERROR(CudaStatus(
+          "cudaEventCreateWithFlags",
+          cudaEventCreateWithFlags(&event, cudaEventBlockingSync)));
     }
     cudaError_t error = cudaEventRecord(event, stream);
     if (error != cudaSuccess) {
@@ -196,6 +256,10 @@ class CudaDevice : public DeviceOps {
   std::shared_ptr<CudaLocker> locker_;
   std::mutex mu_;
   std::vector<cudaEvent_t> free_events_;
+  std::mutex anchor_mu_;
+  cudaStream_t anchor_stream_ = nullptr;
+  cudaEvent_t anchor_ = nullptr;
+  int64_t anchor_host_ns_ = -1;  // < 0: no anchor yet
 };
 
 // Each device's transfers, made on first use and kept for the process

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -29,11 +30,11 @@ namespace {
 
 class FakeLocker : public PageLocker {
  public:
-  Status Lock(char* address, uint64_t bytes) override {
+  StatusOr<bool> Lock(char* address, uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     locks.push_back({address, bytes});
     if (fail) return Status(Code::kInternal, "fake: out of lockable memory");
-    return Status::Ok();
+    return borrowed.count(address) == 0;  // else someone else's
   }
   void Unlock(char* address, uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -43,7 +44,12 @@ class FakeLocker : public PageLocker {
     std::lock_guard<std::mutex> lock(mu_);
     return locks.size();
   }
+  size_t unlock_calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unlocks.size();
+  }
   std::atomic<bool> fail{false};
+  std::set<char*> borrowed;  // chunks "registered by someone else"
   std::vector<LockedPiece> locks;
   std::vector<LockedPiece> unlocks;
 
@@ -57,19 +63,31 @@ struct FakeState {
   uint64_t run[2] = {0, 0};
   uint64_t enqueued[2] = {0, 0};
   std::map<DeviceEvent, std::pair<int, uint64_t>> events;  // stream, position
+  std::map<DeviceEvent, int64_t> recorded_ns;
+  std::vector<int64_t> ran_ns[2];  // when each copy ran, by position
   DeviceEvent next_event = 1;
   uint64_t copies[2] = {0, 0};
+  uint64_t copy_calls = 0;
+  uint64_t fail_copy_at = 0;  // this Copy call fails (1-based; 0: none)
   int64_t live_events = 0;
   int64_t live_host_buffers = 0;
+  std::vector<std::thread::id> allocating_threads;  // one per AllocHost
+  size_t AllocationsOn(std::thread::id thread) {
+    std::lock_guard<std::mutex> lock(mu);
+    return std::count(allocating_threads.begin(), allocating_threads.end(),
+                      thread);
+  }
   // While closed, Sync (what jcxl's own threads call) waits; the compute
-  // stream's waits do not.
+  // stream's waits do not. The compute gate holds only the Syncs of
+  // compute-stream events (a done's log waits for one).
   std::mutex gate_mu;
   std::condition_variable gate_cv;
   bool gate_closed = false;
-  void SetGate(bool closed) {
+  bool compute_gate_closed = false;
+  void SetGate(bool closed, bool compute_only = false) {
     {
       std::lock_guard<std::mutex> lock(gate_mu);
-      gate_closed = closed;
+      (compute_only ? compute_gate_closed : gate_closed) = closed;
     }
     gate_cv.notify_all();
   }
@@ -97,6 +115,9 @@ class FakeDevice : public DeviceOps {
   Status Copy(Direction direction, void* device, void* host,
               uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(s_->mu);
+    if (++s_->copy_calls == s_->fail_copy_at) {
+      return Status(Code::kInternal, "fake: copy failed to queue");
+    }
     const int d = static_cast<int>(direction);
     s_->queued[d].push_back([=] {
       if (direction == Direction::kFromPool) {
@@ -115,9 +136,17 @@ class FakeDevice : public DeviceOps {
     return NewEventLocked(d, s_->enqueued[d]);
   }
   Status Sync(DeviceEvent event) override {
+    bool compute;
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      auto it = s_->events.find(event);
+      compute = it != s_->events.end() && it->second.first < 0;
+    }
     {
       std::unique_lock<std::mutex> lock(s_->gate_mu);
-      s_->gate_cv.wait(lock, [this] { return !s_->gate_closed; });
+      s_->gate_cv.wait(lock, [&] {
+        return !s_->gate_closed && !(compute && s_->compute_gate_closed);
+      });
     }
     return RunUpTo(event);
   }
@@ -133,18 +162,32 @@ class FakeDevice : public DeviceOps {
       s_->queued[stream].front()();
       s_->queued[stream].pop_front();
       ++s_->run[stream];
+      s_->ran_ns[stream].push_back(NowNs());
     }
     return Status::Ok();
   }
   int64_t ElapsedNs(DeviceEvent, DeviceEvent) override { return 1000; }
+  // A copy stream's event happened when the copy before it ran; a compute
+  // stream's (and an empty copy stream's) when it was recorded.
+  int64_t HostNsOf(DeviceEvent event) override {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    auto it = s_->events.find(event);
+    if (it == s_->events.end()) return -1;
+    auto [stream, position] = it->second;
+    if (stream < 0 || position == 0) return s_->recorded_ns[event];
+    if (s_->ran_ns[stream].size() < position) return -1;  // not run yet
+    return s_->ran_ns[stream][position - 1];
+  }
   void ReleaseEvent(DeviceEvent event) override {
     std::lock_guard<std::mutex> lock(s_->mu);
     s_->events.erase(event);
+    s_->recorded_ns.erase(event);
     --s_->live_events;
   }
   StatusOr<void*> AllocHost(uint64_t bytes) override {
     std::lock_guard<std::mutex> lock(s_->mu);
     ++s_->live_host_buffers;
+    s_->allocating_threads.push_back(std::this_thread::get_id());
     return std::calloc(bytes, 1);
   }
   void FreeHost(void* p) override {
@@ -162,6 +205,7 @@ class FakeDevice : public DeviceOps {
   DeviceEvent NewEventLocked(int stream, uint64_t position) {
     const DeviceEvent event = s_->next_event++;
     s_->events[event] = {stream, position};
+    s_->recorded_ns[event] = NowNs();
     ++s_->live_events;
     return event;
   }
@@ -175,14 +219,16 @@ constexpr uint64_t kChunk = 1 * kMiB;  // the fake's lock chunk
 // on the way out, also when a CHECK ends the test early (no hang).
 class GateClosed {
  public:
-  explicit GateClosed(FakeState& state) : state_(state) {
-    state_.SetGate(true);
+  explicit GateClosed(FakeState& state, bool compute_only = false)
+      : state_(state), compute_only_(compute_only) {
+    state_.SetGate(true, compute_only_);
   }
   ~GateClosed() { Open(); }
-  void Open() { state_.SetGate(false); }
+  void Open() { state_.SetGate(false, compute_only_); }
 
  private:
   FakeState& state_;
+  const bool compute_only_;
 };
 
 struct Rig {
@@ -591,6 +637,174 @@ TEST(AFailedStagedReadFailsItsDoneAndTheNextIsExact) {
   CHECK(got == value);  // the failed write stored nothing
   rig.transfers->Drain();
   CHECK_EQ(rig.transfers->counters().failed, uint64_t{2});
+  // The profiler sees the failures as failed.
+  std::lock_guard<std::mutex> lock(rig.log_mu);
+  CHECK_EQ(rig.waits.size(), size_t{3});
+  CHECK(!rig.waits[0].record.ok && !rig.waits[1].record.ok);
+  CHECK(rig.waits[2].record.ok);
+}
+
+TEST(ADirectStartThatFailsPartWayIsWaitedForBeforeAnythingIsReused) {
+  Rig rig;
+  std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());
+  const std::vector<char> value = Pattern(3 * kMiB, 50);  // 3 or 4 pieces
+  const std::vector<char> other = Pattern(3 * kMiB, 51);
+  const int32_t handle = Put(*pool, TierKind::kHost, value);
+  const int32_t next = Put(*pool, TierKind::kHost, other);
+  std::vector<char> buffer(value.size());
+  GateClosed gate(*rig.state);  // the queued first piece does not run yet
+  {
+    std::lock_guard<std::mutex> lock(rig.state->mu);
+    rig.state->fail_copy_at = rig.state->copy_calls + 2;  // the 2nd piece
+  }
+  CHECK_CODE(rig.transfers->Start(Fetch(pool, handle, buffer)),
+             Code::kInternal);
+  // Its first piece may still read the object: it stays pinned.
+  CHECK_CODE(pool->Free(handle, 20'000'000), Code::kTimeout);
+  // XLA reuses the buffer: the next fetch waits for that piece first.
+  CHECK_OK(rig.transfers->Start(Fetch(pool, next, buffer)));
+  CHECK_OK(rig.transfers->Done(nullptr, buffer.data()));
+  CHECK(buffer == other);
+  CHECK_EQ(rig.transfers->counters().stale_waits, uint64_t{1});
+  gate.Open();
+  rig.transfers->Drain();
+  CHECK_OK(pool->Free(handle, kLongWaitNs));
+  CHECK_EQ(rig.transfers->counters().failed, uint64_t{1});
+}
+
+// A pool holding one host-tier object (direct transfers).
+struct OneHostObject {
+  OneHostObject(uint64_t bytes, uint64_t seed)
+      : value(Pattern(bytes, seed)),
+        handle(Put(*pool, TierKind::kHost, value)) {}
+  std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());
+  const std::vector<char> value;
+  const int32_t handle;
+};
+
+TEST(CloseKeepsALateDirectCopysChunksLockedUntilItEnds) {
+  Rig rig;
+  OneHostObject object(256 * kKiB, 60);
+  auto& [pool, value, handle] = object;
+  std::vector<char> got(value.size());
+  GateClosed gate(*rig.state);
+  // A failed step's fetch, never done, still copying past Close's timeout.
+  CHECK_OK(rig.transfers->Start(Fetch(pool, handle, got)));
+  CHECK_CODE(pool->Close(10'000'000), Code::kTimeout);
+  CHECK_EQ(rig.locker->unlock_calls(), size_t{0});
+  gate.Open();
+  rig.transfers->Drain();  // the copy ran, then EndDirect unlocked
+  CHECK(got == value);
+  CHECK_EQ(rig.locker->unlock_calls(), rig.locker->lock_calls());
+  CHECK_EQ(pool->page_locks().stats().locked_chunks, uint64_t{0});
+}
+
+TEST(ALogThatWaitsHoldsBackNoRelease) {
+  Rig rig;
+  std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());
+  const std::vector<char> value = Pattern(64 * kKiB, 70);
+  const int32_t handle = Put(*pool, TierKind::kCxl, value);  // staged
+  // Every done's log waits for its compute-side event; the releases must
+  // not queue behind it.
+  GateClosed logs(*rig.state, /*compute_only=*/true);
+  for (int i = 0; i < 2; ++i) {
+    std::vector<char> got(value.size());
+    CHECK_OK(rig.transfers->Start(Fetch(pool, handle, got)));
+    CHECK_OK(rig.transfers->Done(nullptr, got.data()));
+    CHECK(got == value);
+  }
+  const int64_t deadline = NowNs() + kLongWaitNs;
+  while (rig.transfers->bounce_stats().in_use_bytes > 0 &&
+         NowNs() < deadline) {
+    std::this_thread::yield();
+  }
+  CHECK_EQ(rig.transfers->bounce_stats().in_use_bytes, uint64_t{0});
+  {
+    std::lock_guard<std::mutex> lock(rig.log_mu);
+    CHECK_EQ(rig.waits.size(), size_t{0});  // still waiting
+  }
+  logs.Open();
+  rig.transfers->Drain();
+  std::lock_guard<std::mutex> lock(rig.log_mu);
+  CHECK_EQ(rig.waits.size(), size_t{2});
+}
+
+TEST(TransferTimesAreTheDevicesNotTheReapers) {
+  Rig rig;
+  OneHostObject object(64 * kKiB, 80);
+  auto& [pool, value, handle] = object;
+  std::vector<char> got(value.size());
+  GateClosed gate(*rig.state);  // the completion reaps it only later
+  CHECK_OK(rig.transfers->Start(Fetch(pool, handle, got)));
+  CHECK_OK(rig.transfers->Done(nullptr, got.data()));  // the copy runs
+  const int64_t copied_by = NowNs();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  gate.Open();
+  rig.transfers->Drain();
+  std::lock_guard<std::mutex> lock(rig.log_mu);
+  CHECK_EQ(rig.waits.size(), size_t{1});
+  const TransferRecord& record = rig.waits[0].record;
+  CHECK_LE(record.finished_ns, copied_by);
+  CHECK_GE(record.started_ns, record.queued_ns);
+  CHECK_LE(record.started_ns, record.finished_ns);
+  CHECK_LE(rig.waits[0].wait_started_ns, copied_by);
+}
+
+TEST(IndexSlotsAreAllocatedAheadNeverOnTheLaunchThread) {
+  Rig rig;  // its setup allocates the first slots, once
+  const std::thread::id launch = std::this_thread::get_id();
+  const size_t at_setup = rig.state->AllocationsOn(launch);
+  std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());
+  constexpr int kLayers = 4;
+  constexpr uint64_t kLayer = 16 * kKiB;
+  const std::vector<char> stacked = Pattern(kLayers * kLayer, 90);
+  const int32_t handle = Put(*pool, TierKind::kHost, stacked);
+  const size_t before = rig.state->AllocationsOn(launch);  // Put's own
+  constexpr int kInFlight = 8;
+  for (int round = 0; round < 40; ++round) {
+    std::vector<std::vector<char>> got(kInFlight, std::vector<char>(kLayer));
+    std::vector<int32_t> operands(kInFlight);
+    for (int i = 0; i < kInFlight; ++i) {
+      operands[i] = (round + i) % kLayers;
+      DeviceRequest r = Fetch(pool, handle, got[i]);
+      r.index_on_device = &operands[i];
+      r.offset_of = [](int64_t at) -> StatusOr<uint64_t> {
+        return static_cast<uint64_t>(at) * kLayer;
+      };
+      CHECK_OK(rig.transfers->Start(std::move(r)));
+    }
+    for (int i = 0; i < kInFlight; ++i) {
+      CHECK_OK(rig.transfers->Done(nullptr, got[i].data()));
+      CHECK(std::equal(got[i].begin(), got[i].end(),
+                       stacked.begin() + operands[i] * kLayer));
+    }
+  }
+  rig.transfers->Drain();
+  CHECK_GT(at_setup, size_t{0});
+  CHECK_EQ(rig.state->AllocationsOn(launch), before);
+}
+
+TEST(ChunksLockedBySomeoneElseAreUsedButNeverUnlocked) {
+  std::vector<char> region(4 * kMiB);
+  char* base = region.data();
+  auto locker = std::make_shared<FakeLocker>();
+  locker->borrowed.insert(base + kMiB);  // another library registered it
+  PageLocks locks;
+  CHECK(locks.Install(locker, kChunk));
+  CHECK_OK(locks.Ensure(base, region.size(), base + kMiB / 2, 2 * kMiB));
+  PageLockStats stats = locks.stats();
+  CHECK_EQ(stats.locked_chunks, uint64_t{3});
+  CHECK_EQ(stats.borrowed_chunks, uint64_t{1});
+  // Locked all the same: its freed pages stay.
+  uint64_t released = 0;
+  locks.ReleaseUnlocked(base + kMiB, kMiB,
+                        [&](char*, uint64_t bytes) { released += bytes; });
+  CHECK_EQ(released, uint64_t{0});
+  locks.UnlockAll();
+  CHECK_EQ(locker->unlocks.size(), size_t{2});
+  for (const LockedPiece& unlocked : locker->unlocks) {
+    CHECK(unlocked.address != base + kMiB);
+  }
 }
 
 TEST(HostBufferCacheKeepsAStepsWorkingSet) {
