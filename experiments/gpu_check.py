@@ -78,6 +78,7 @@ import optax
 import jcxl
 from experiments import common as exp_common
 from experiments import compare
+from experiments import flags as shared_flags
 from jcxl import _jcxl
 from jcxl import streamed_scan
 from jcxl.units import format_bytes
@@ -90,12 +91,11 @@ PARTS = ("equality", "scan_exact", "reuse", "bandwidth", "overlap", "faults",
          "first_fetch", "steps")
 
 FLAGS = flags.FlagValues()
-_DRY_RUN = flags.DEFINE_boolean(
-    "dry_run", False, "Run on the CPU with small sizes (no GPU needed); what "
-    "needs CUDA is reported as skipped.", flag_values=FLAGS)
-_RUN_DIR = flags.DEFINE_string("run_dir", "runs/gpu_check",
-                               "Where gpu_check.json goes.",
-                               flag_values=FLAGS)
+_DRY_RUN = shared_flags.dry_run(
+    FLAGS, help_text="Run on the CPU with small sizes (no GPU needed); what "
+    "needs CUDA is reported as skipped.")
+_RUN_DIR = shared_flags.run_dir(FLAGS, default="runs/gpu_check",
+                                help_text="Where gpu_check.json goes.")
 _PARTS = flags.DEFINE_list("parts", list(PARTS), "The parts to run, in "
                            f"this order: any of {', '.join(PARTS)}.",
                            flag_values=FLAGS)
@@ -126,17 +126,16 @@ _WIDTH = flags.DEFINE_integer("width", None, "Model width for steps "
                               flag_values=FLAGS)
 _LAYERS = flags.DEFINE_integer("layers", None, "Blocks for steps (default "
                                "24, 2 with --dry_run).", flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer("batch", None, "Sequences per step in steps "
-                              "(default 8, 2 with --dry_run).",
-                              flag_values=FLAGS)
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per sequence in "
-                                "steps (default 256, 32 with --dry_run).",
-                                flag_values=FLAGS)
+_BATCH = shared_flags.batch(FLAGS, default=None, help_text="Sequences per "
+                            "step in steps (default 8, 2 with --dry_run).")
+_SEQ_LEN = shared_flags.seq_len(FLAGS, default=None, help_text="Tokens per "
+                                "sequence in steps (default 256, 32 with "
+                                "--dry_run).")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed rounds in steps.",
                                lower_bound=1, flag_values=FLAGS)
-_NVME_DIR = flags.DEFINE_string("nvme_dir", None, "Directory for the nvme "
-                                "tier (default: the system's temporary one).",
-                                flag_values=FLAGS)
+_NVME_DIR = shared_flags.nvme_dir(FLAGS, default=None, help_text="Directory "
+                                  "for the nvme tier (default: the system's "
+                                  "temporary one).")
 
 TIERS = ("host", "cxl", "nvme")
 STEP_MODES = ("resident", "jax_host", "cxl_fixed", "cxl_dap")
