@@ -27,6 +27,19 @@ std::string FormatBytes(uint64_t bytes) {
 
 // ---------------------------------------------------------------- extents
 
+std::map<uint64_t, uint64_t> FinalOffsets(const std::vector<Move>& moves) {
+  std::map<uint64_t, uint64_t> origin;  // where an extent is -> where it was
+  for (const Move& move : moves) {
+    auto it = origin.find(move.from);
+    const uint64_t first = it == origin.end() ? move.from : it->second;
+    if (it != origin.end()) origin.erase(it);
+    origin[move.to] = first;
+  }
+  std::map<uint64_t, uint64_t> out;
+  for (const auto& [now, was] : origin) out[was] = now;
+  return out;
+}
+
 ExtentAllocator::ExtentAllocator(uint64_t capacity, uint64_t alignment,
                                  FitPolicy policy)
     : capacity_(capacity - capacity % alignment),
@@ -151,6 +164,65 @@ std::vector<Move> ExtentAllocator::Compact() {
   free_by_size_.clear();
   hole_bytes_ = 0;
   top_ = cursor;
+  return moves;
+}
+
+std::vector<Move> ExtentAllocator::CompactSome(uint64_t max_bytes) {
+  std::vector<Move> moves;
+  uint64_t moved = 0;  // every step lowers top_: the loop ends
+  while (moved < max_bytes && hole_bytes_ > 0 && !live_.empty()) {
+    const auto last = std::prev(live_.end());
+    const uint64_t offset = last->first;
+    const uint64_t size = last->second;
+    const auto fit = free_by_size_.lower_bound({size, 0});
+    if (fit != free_by_size_.end()) {  // the top extent into a hole
+      const uint64_t hole_size = fit->first;
+      const uint64_t hole_offset = fit->second;
+      EraseHole(hole_offset, hole_size);
+      if (hole_size > size) InsertHole(hole_offset + size, hole_size - size);
+      live_.erase(last);
+      live_.emplace(hole_offset, size);
+      moves.push_back({offset, hole_offset, size});
+      moved += size;
+      top_ = offset;
+    } else {  // no hole holds it: slide what is above the highest hole
+      const auto hole = std::prev(free_by_offset_.end());
+      const uint64_t hole_offset = hole->first;
+      const uint64_t hole_size = hole->second;
+      const auto first = live_.lower_bound(hole_offset + hole_size);
+      const std::vector<std::pair<uint64_t, uint64_t>> segment(first,
+                                                               live_.end());
+      uint64_t bytes = 0;
+      size_t count = 0;  // the lowest extents of it that the budget allows
+      for (const auto& [o, s] : segment) {
+        if (count > 0 && bytes + s > max_bytes - moved) break;
+        bytes += s;
+        ++count;
+      }
+      EraseHole(hole_offset, hole_size);
+      for (size_t i = 0; i < count; ++i) {
+        const auto [o, s] = segment[i];
+        live_.erase(o);
+        live_.emplace(o - hole_size, s);
+        moves.push_back({o, o - hole_size, s});
+      }
+      moved += bytes;
+      if (count == segment.size()) {
+        top_ -= hole_size;
+      } else {  // the hole moved up, below the extents left in place
+        InsertHole(segment[count].first - hole_size, hole_size);
+        break;
+      }
+    }
+    // A hole now ending at the top is no longer reserved.
+    if (!free_by_offset_.empty()) {
+      const auto highest = std::prev(free_by_offset_.end());
+      if (highest->first + highest->second == top_) {
+        top_ = highest->first;
+        EraseHole(highest->first, highest->second);
+      }
+    }
+  }
   return moves;
 }
 
@@ -311,11 +383,12 @@ uint64_t HybridAllocator::OffsetOf(const Allocation& allocation) const {
   return span.offset + allocation.slot * class_sizes_[span.size_class];
 }
 
-std::vector<Move> HybridAllocator::Compact() {
-  std::vector<Move> moves = extents_.Compact();
+std::vector<Move> HybridAllocator::Compact(uint64_t max_bytes) {
+  std::vector<Move> moves = max_bytes == UINT64_MAX
+                                ? extents_.Compact()
+                                : extents_.CompactSome(max_bytes);
   if (!moves.empty() && slab_spans_ > 0) {
-    std::map<uint64_t, uint64_t> remap;
-    for (const Move& move : moves) remap.emplace(move.from, move.to);
+    const std::map<uint64_t, uint64_t> remap = FinalOffsets(moves);
     for (Span& span : spans_) {
       if (span.size_class < 0) continue;
       auto it = remap.find(span.offset);

@@ -32,6 +32,10 @@ struct Move {
 
 enum class FitPolicy { kBestFit, kFirstFit };
 
+// Where each moved extent ends up, by where it was before `moves` (applied
+// in order; an extent may move more than once).
+std::map<uint64_t, uint64_t> FinalOffsets(const std::vector<Move>& moves);
+
 class ExtentAllocator {
  public:
   ExtentAllocator(uint64_t capacity, uint64_t alignment,
@@ -44,6 +48,15 @@ class ExtentAllocator {
   Status Free(uint64_t offset);
   // Slides every live extent down so no holes remain; returns the moves.
   std::vector<Move> Compact();
+  // Removes holes from the top down, moving about `max_bytes` at most:
+  // the highest extent goes into the smallest hole that holds it, or, where
+  // none does, the extents above the highest hole slide down over it (only
+  // as many of the lowest of them as fit in what is left of `max_bytes`, at
+  // least one). Each step lowers the top or moves the hole up; an extent may
+  // move
+  // again (apply the moves in order; FinalOffsets says where each extent
+  // ends up). A later call goes on where it stopped.
+  std::vector<Move> CompactSome(uint64_t max_bytes);
 
   uint64_t capacity() const { return capacity_; }
   uint64_t alignment() const { return alignment_; }
@@ -117,10 +130,12 @@ class HybridAllocator {
   Status Free(const Allocation& allocation);
   // Where the object's bytes are now (slab objects move with their span).
   uint64_t OffsetOf(const Allocation& allocation) const;
-  // Compacts the extents (slab spans move whole); returns the moves. Extent
+  // Compacts the extents (slab spans move whole): all of them, or with a
+  // `max_bytes`, about that many bytes' worth (ExtentAllocator::CompactSome);
+  // returns the moves. Extent
   // objects must have their extent_offset remapped by the caller through the
   // returned moves; slab objects follow their span automatically.
-  std::vector<Move> Compact();
+  std::vector<Move> Compact(uint64_t max_bytes = UINT64_MAX);
 
   AllocatorStats Stats() const;
   const ExtentAllocator& extents() const { return extents_; }

@@ -74,6 +74,10 @@ class HandleSpace {
 // strands more than this. The nvme tier compacts only when an allocation
 // needs it, since its moves are file I/O.
 constexpr double kCompactAboveHoleFraction = 0.02;
+// What one free() may move while it holds the pool's lock (a few ms of
+// memmove, plus at most one extent); the rest is
+// left to the frees after it, or to an allocation that needs the room.
+constexpr uint64_t kCompactBytesPerFree = uint64_t{64} << 20;
 
 std::mutex g_registry_mu;
 std::map<int32_t, std::weak_ptr<Pool>>& Registry() {
@@ -124,6 +128,23 @@ std::shared_ptr<Pool> Pool::Find(int32_t id) {
   return it == Registry().end() ? nullptr : it->second.lock();
 }
 
+namespace {
+
+// A capacity below the allocator's alignment rounds down to an arena that
+// holds nothing: an error, not a tier that silently refuses every object.
+Status CheckHoldsAPage(TierKind kind, const HybridAllocator& allocator,
+                       uint64_t bytes) {
+  if (allocator.capacity() > 0) return Status::Ok();
+  return Status(Code::kInvalidArgument,
+                std::string(TierName(kind)) + " tier: a capacity of " +
+                    std::to_string(bytes) + " bytes (per node) is below its "
+                    "allocation granularity of " +
+                    std::to_string(allocator.extents().alignment()) +
+                    " bytes; give it at least that, or 0 to turn it off");
+}
+
+}  // namespace
+
 Status Pool::Init() {
   for (int t = 0; t < kNumTiers; ++t) {
     const TierConfig& tier_config = config_.tiers[t];
@@ -151,6 +172,8 @@ Status Pool::Init() {
       entry.arena = std::move(*arena);
       entry.allocator =
           std::make_unique<HybridAllocator>(tier_config.capacity, options);
+      JCXL_RETURN_IF_ERROR(CheckHoldsAPage(tier.kind, *entry.allocator,
+                                           tier_config.capacity));
       tier.arenas.push_back(std::move(entry));
       continue;
     }
@@ -165,8 +188,12 @@ Status Pool::Init() {
                       std::string(TierName(tier.kind)) +
                           " tier: node weights must be positive");
       }
-      const uint64_t share = static_cast<uint64_t>(
-          static_cast<double>(tier_config.capacity) * weights[i] / total);
+      // A node whose weight gives it less than one extent still gets one,
+      // rather than an arena that holds nothing.
+      const uint64_t share = std::max<uint64_t>(
+          config_.allocator.alignment,
+          static_cast<uint64_t>(static_cast<double>(tier_config.capacity) *
+                                weights[i] / total));
       std::vector<int> bind;
       if (nodes[i] >= 0) bind.push_back(nodes[i]);
       auto arena = MemoryArena::Create(share, bind);
@@ -177,6 +204,8 @@ Status Pool::Init() {
       entry.arena = std::move(*arena);
       entry.allocator = std::make_unique<HybridAllocator>(share,
                                                           config_.allocator);
+      JCXL_RETURN_IF_ERROR(CheckHoldsAPage(tier.kind, *entry.allocator,
+                                           share));
       tier.arenas.push_back(std::move(entry));
     }
   }
@@ -389,7 +418,7 @@ void Pool::CompactIfFragmented(Tier& tier, size_t a) {
   const ExtentAllocator& extents = tier.arenas[a].allocator->extents();
   if (static_cast<double>(extents.hole_bytes()) >
       kCompactAboveHoleFraction * static_cast<double>(extents.top())) {
-    Status status = CompactArena(tier, a);
+    Status status = CompactArena(tier, a, kCompactBytesPerFree);
     (void)status;  // a memory arena's moves cannot fail
   }
 }
@@ -628,18 +657,17 @@ Status Pool::CompactLocked(std::unique_lock<std::mutex>& lock,
   return result;
 }
 
-Status Pool::CompactArena(Tier& tier, size_t a) {
+Status Pool::CompactArena(Tier& tier, size_t a, uint64_t max_bytes) {
   TierArena& arena = tier.arenas[a];
   const uint64_t old_top = arena.allocator->extents().top();
-  std::vector<Move> moves = arena.allocator->Compact();
+  std::vector<Move> moves = arena.allocator->Compact(max_bytes);
   if (moves.empty()) return Status::Ok();
   Status result;
-  std::map<uint64_t, uint64_t> remap;
-  for (const Move& move : moves) {
+  for (const Move& move : moves) {  // in order: an extent may move twice
     Status moved = arena.arena->Move(move.from, move.to, move.bytes);
     if (!moved.ok() && result.ok()) result = moved;
-    remap.emplace(move.from, move.to);
   }
+  const std::map<uint64_t, uint64_t> remap = FinalOffsets(moves);
   for (auto& [index, object] : objects_) {
     if (object.allocation.is_slab() ||
         object.tier != static_cast<int>(tier.kind) ||

@@ -222,7 +222,7 @@ class Pool {
                        int only_tier);
   // Slides arena `a` of `tier`'s objects down over its holes; caller holds
   // mu_ and no transfer is in flight.
-  Status CompactArena(Tier& tier, size_t a);
+  Status CompactArena(Tier& tier, size_t a, uint64_t max_bytes = UINT64_MAX);
   // After a free: compacts a memory arena whose holes passed
   // kCompactAboveHoleFraction of its reserved bytes, if no transfer is in
   // flight (it never waits); caller holds mu_.

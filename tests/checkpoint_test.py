@@ -707,6 +707,47 @@ class IntegrityTest:
     with pytest.raises(jcxl.CheckpointCorruptError, match="files are gone"):
       jcxl.checkpoint.restore(path, like=tree)
 
+  @pytest.mark.parametrize("edit", ["drop checksums", "drop jcxl record",
+                                    "claim format 1"])
+  def test_editing_metadata_does_not_turn_verification_off(self, saved, edit):
+    path, tree = saved
+    file = os.path.join(path, "_METADATA")
+    with open(file, encoding="utf-8") as f:
+      metadata = json.load(f)
+    record = metadata["custom_metadata"]["jcxl"]
+    if edit == "drop checksums":
+      del record["checksums"]
+    elif edit == "drop jcxl record":
+      del metadata["custom_metadata"]["jcxl"]
+    else:
+      del record["checksums"]
+      record["version"] = 1
+    with open(file, "w", encoding="utf-8") as f:
+      json.dump(metadata, f)
+    self.flip_a_byte(path)
+    with pytest.raises(jcxl.CheckpointCorruptError, match="'big' is corrupt"):
+      jcxl.checkpoint.restore(path, like=tree)
+
+  def test_latest_skips_what_restore_refuses(self, pool, tmp_path):
+    tree = {"w": jcxl.place(np.ones(4, np.float32), "cxl", pool=pool)}
+    first = jcxl.checkpoint.save(tmp_path / "ckpts" / "1", tree)
+    second = jcxl.checkpoint.save(tmp_path / "ckpts" / "2", tree)
+    for name in os.listdir(second):
+      if name.startswith("jcxl_checksums"):
+        os.remove(os.path.join(second, name))
+    assert jcxl.checkpoint.latest(tmp_path / "ckpts") == first
+    with pytest.raises(jcxl.CheckpointCorruptError, match="files are gone"):
+      jcxl.checkpoint.restore(second, like=tree)
+
+  def test_object_leaf_is_refused_before_anything_is_written(self, pool,
+                                                             tmp_path):
+    tree = {"w": jcxl.place(np.ones(4, np.float32), "cxl", pool=pool),
+            "bad": np.array([1, "a"], dtype=object)}
+    with pytest.raises(TypeError, match=r"leaf \['bad'\]: dtype must be "
+                       r"numeric .* but got object"):
+      jcxl.checkpoint.save(tmp_path / "ckpts" / "1", tree)
+    assert not (tmp_path / "ckpts").exists()  # no .orbax-checkpoint-tmp
+
   def test_latest_skips_unreadable_metadata(self, pool, tmp_path):
     tree = {"w": jcxl.place(np.ones(4, np.float32), "cxl", pool=pool)}
     first = jcxl.checkpoint.save(tmp_path / "ckpts" / "1", tree)

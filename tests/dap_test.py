@@ -419,11 +419,16 @@ class DapStepTest:
     # The step it was made for takes it.
     again = run((16, 64, 16, 64, 16), f"plan:{path}")
     assert [l.prefetch for l in again.plan.layers] == [1] * 4
-    # A plan saved without what it was made for is taken as it is.
+    # A plan file without what it was made for (the older format) is
+    # refused for any step, the one it was made for included: nothing says
+    # which that was.
     data = json.loads(open(path).read())
     del data["made_for"]
     (tmp_path / "old.json").write_text(json.dumps(data))
-    run((16, 64, 16, 64, 16, 64, 16), f"plan:{tmp_path / 'old.json'}")
+    for layers in ((16, 64, 16, 64, 16, 64, 16), (16, 64, 16, 64, 16)):
+      with pytest.raises(ValueError, match=r"old.json' does not say which "
+                         r"step .*predates that record.*re-save it"):
+        run(layers, f"plan:{tmp_path / 'old.json'}")
 
 
 def race(tuner, step_time):

@@ -145,3 +145,37 @@ class ChurnTest:
           f"{worst_live:.2%}")
     assert worst_fragmentation < 0.05
     assert worst_live > 0.95
+
+
+class BoundedCompactionTest:
+  """A free compacts its tier under the pool's lock, so it moves a bounded
+  number of bytes (64 MiB, plus at most one extent); the next frees go on
+  where it stopped."""
+
+  def test_a_free_moves_a_bounded_number_of_bytes(self):
+    size = 12 * MIB
+    marker = lambda i: np.full(4 * KIB, i, np.uint8)
+    with jcxl.Pool(host="256MiB", cxl=0) as pool:
+      bottom = pool.allocate((8 * MIB,), np.uint8, "host")
+      above = [pool.allocate((size,), np.uint8, "host") for _ in range(16)]
+      for i, handle in enumerate(above):  # only the ends: pages stay unbacked
+        pool.put_async(handle, marker(i)).wait()
+        pool.put_async(handle, marker(i), offset=size - 4 * KIB).wait()
+      offsets = {h: pool.info(h).offset for h in above}
+      # An 8 MiB hole under 192 MiB of 12 MiB objects: none fits in it, so
+      # the objects above it slide down; it used to move all 192 MiB at once.
+      pool.free(bottom)
+      moved = [h for h in above if pool.info(h).offset != offsets[h]]
+      assert 0 < len(moved) * size <= 64 * MIB + size, len(moved)
+      assert pool.stats()["host"].external_fragmentation > 0.02
+      for handle in above[::-1][:3]:  # each free goes on where it stopped
+        pool.free(handle)
+        above.pop()
+      stats = pool.stats()["host"]
+      assert stats.external_fragmentation == 0
+      assert stats.reserved == stats.live == len(above) * size
+      for i, handle in enumerate(above):
+        for offset in (0, size - 4 * KIB):
+          out = np.empty(4 * KIB, np.uint8)
+          pool.read_bytes_async(handle, out, offset=offset).wait()
+          np.testing.assert_array_equal(out, marker(i))

@@ -161,6 +161,39 @@ class ReclaimTest:
     assert returncode == -signal.SIGTERM
     assert os.listdir(tmp_path) == []
 
+  def test_a_directory_is_locked_before_reclaim_can_see_it(
+      self, tmp_path, monkeypatch):
+    # Another process reclaiming between the lock file's creation and its
+    # flock used to take the lock and delete the new, live directory.
+    real_flock = swap_dir.fcntl.flock
+    rival = []
+
+    def reclaim_first(fd, operation):
+      if not rival:
+        rival.append(None)
+        rival[0] = swap_dir.reclaim_abandoned(str(tmp_path))
+      return real_flock(fd, operation)
+
+    monkeypatch.setattr(swap_dir.fcntl, "flock", reclaim_first)
+    made = swap_dir.make(str(tmp_path), keep=False)
+    try:
+      assert rival == [[]]
+      assert os.listdir(made.path) == [swap_dir.LOCK_NAME]
+      assert os.listdir(tmp_path) == [os.path.basename(made.path)]
+    finally:
+      made.remove()
+    assert os.listdir(tmp_path) == []
+
+  def test_a_directory_being_made_is_not_reclaimed(self, tmp_path):
+    # What a pool being made looks like: its lock file not locked yet.
+    staging = tmp_path / ".jcxl-pool-abc.tmp"
+    staging.mkdir(mode=0o700)
+    (staging / swap_dir.LOCK_NAME).touch()
+    reserved = tmp_path / "jcxl-pool-abc"  # its name, reserved and empty
+    reserved.mkdir(mode=0o700)
+    assert swap_dir.reclaim_abandoned(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == [staging.name, reserved.name]
+
   def test_this_processs_own_pools_are_never_reclaimed(self, tmp_path):
     with jcxl.Pool(host="8MiB", cxl=0, nvme="16MiB",
                    nvme_dir=tmp_path) as first:

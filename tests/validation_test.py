@@ -11,6 +11,8 @@ import pytest
 
 import jcxl
 from jcxl._src import schedule as schedule_lib
+from jcxl._src import stream
+from jcxl._src import validation
 
 BAD_DTYPES = [object, "U3", "S4", "M8[s]", "m8[ns]",
               [("a", "<f4"), ("b", "<i4")], "(2,)f4", "V8", None]
@@ -128,8 +130,8 @@ class NamedErrorsTest:
       jcxl.Pool(host=value, cxl="1MiB")
 
   def test_fractional_sizes_round_down(self):
-    with jcxl.Pool(host="1.5KiB", cxl=0) as p:
-      assert p.settings()["host"] == "1.50 KiB"  # 1536 bytes
+    with jcxl.Pool(host="4.5KiB", cxl=0) as p:
+      assert p.settings()["host"] == "4.50 KiB"  # 4608 bytes
 
   @pytest.mark.parametrize("value, error", [
       ("5", TypeError), (None, TypeError), (True, TypeError),
@@ -187,9 +189,9 @@ class NamedErrorsTest:
       ({"bandwidth": float("nan")}, ValueError,
        "link bandwidth must be a finite byte count"),
       ({"bandwidth": "1GB/s", "latency_s": float("inf")}, ValueError,
-       "latency_s must be a finite number of seconds"),
+       r"latency_s must be a number of seconds in \[0, 3600\], but got inf"),
       ({"bandwidth": "1GB/s", "latency_s": "1"}, TypeError,
-       "latency_s must be a finite number of seconds >= 0, but got '1'"),
+       r"latency_s must be a number of seconds in \[0, 3600\], but got '1'"),
   ])
   def test_link_model(self, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -248,3 +250,109 @@ class MoreNamedErrorsTest:
     with pytest.raises(TypeError, match="metadata must be a JSON-serial"):
       jcxl.checkpoint.save(tmp_path / "c", tree, metadata={"a": object()})
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+class AuditTest:
+  """Inputs a second audit found accepted and then crashing, silently
+  misread, or refused without saying what was wrong."""
+
+  @pytest.mark.parametrize("latency", [1e300, 1e12, 3600.5])
+  def test_link_latency_past_an_hour_is_refused(self, latency):
+    # It used to be taken, and then Pool/set_link failed with an
+    # OverflowError or nanobind's "incompatible function arguments".
+    with pytest.raises(ValueError, match=r"link latency_s must be a number "
+                       r"of seconds in \[0, 3600\], but got"):
+      jcxl.LinkModel("1GB/s", latency)
+
+  def test_the_longest_link_latency_reaches_the_pool(self):
+    link = jcxl.LinkModel("1GB/s", 3600)
+    with jcxl.Pool(host=0, cxl="1MiB", emulate_cxl=True,
+                   cxl_link=link) as p:
+      assert p.stats()["cxl"].link.latency_s == 3600
+      p.set_link("cxl", jcxl.LinkModel("2GB/s", 1e-7))
+      assert p.stats()["cxl"].link.latency_s == pytest.approx(1e-7)
+
+  @pytest.mark.parametrize("seconds, ms", [(1e-4, 1), (1e-3, 1),
+                                           (0.0015, 2), (2.0, 2000),
+                                           (1e300, 2**60 // 10**6)])
+  def test_a_steps_deadline_is_never_0_ms(self, seconds, ms):
+    # A deadline under 1 ms was truncated to 0: every cxl_offload wait failed.
+    assert validation.timeout_ms(seconds) == ms
+    with jcxl.Pool(host="1MiB", cxl=0, timeout_s=seconds) as p:
+      assert stream._timeout_ms(p) == ms
+
+  @pytest.mark.parametrize("tier", ["host", "cxl", "nvme"])
+  @pytest.mark.parametrize("capacity", [1, 4095, "4000B"])
+  def test_a_tier_below_one_page_is_refused(self, tier, capacity, tmp_path):
+    # It used to round down to a 0 B tier that refused every put.
+    sizes = {"host": "1MiB", "cxl": 0, tier: capacity}
+    with pytest.raises(ValueError, match=rf"{tier} must be 0 \(off\) or at "
+                       rf"least 4096 bytes .* but got {capacity!r}"):
+      jcxl.Pool(**sizes, nvme_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+  @pytest.mark.parametrize("kwargs, match", [
+      ({"spill": "no"}, "spill must be True or False, but got 'no'"),
+      ({"spill": 1}, "spill must be True or False, but got 1"),
+      ({"emulate_cxl": "false"}, "emulate_cxl must be True or False"),
+      ({"keep_nvme_files": None}, "keep_nvme_files must be True or False"),
+      ({"node": 0.0}, r"node must be a NUMA node id, but got 0.0 \(float\)"),
+      ({"node": True}, "node must be a NUMA node id, but got True"),
+      ({"node": "0"}, "node must be a NUMA node id, but got '0'"),
+  ])
+  def test_flags_and_node_take_only_their_type(self, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+      jcxl.Pool(host="1MiB", cxl=0, **kwargs)
+
+  def test_numpy_bools_and_ints_are_taken(self):
+    with jcxl.Pool(host="1MiB", cxl=0, spill=np.bool_(True),
+                   node=np.int64(jcxl.Pool(host="1MiB", cxl=0).node)) as p:
+      assert p.settings()["spill"] is True
+
+  def test_place_names_the_empty_leaf(self, pool):
+    with pytest.raises(ValueError, match=r"leaf \['b'\]: cannot store an "
+                       r"empty array \(shape \(0, 3\), float32\)"):
+      jcxl.place({"a": np.ones(2), "b": np.zeros((0, 3), np.float32)},
+                 "cxl", pool=pool)
+    assert pool.handles() == []
+
+  @pytest.mark.parametrize("call, error, match", [
+      # the same bytes, other numbers: read back as garbage before
+      (lambda p, h: p.put_async(h, np.zeros(4, np.float64)), TypeError,
+       r"array has dtype float64, but handle \d+ holds float32 \(shape "
+       r"\(8,\)\)"),
+      (lambda p, h: p.put_async(h, np.zeros(2, np.int32), offset=8),
+       TypeError, "array has dtype int32, but handle"),
+      (lambda p, h: p.put_async(h, np.zeros(9, np.float32)), ValueError,
+       r"array of 36 bytes at offset 0 does not fit in handle \d+, which "
+       r"holds 32 bytes"),
+      (lambda p, h: p.put_async(h, np.zeros(2, np.float32), offset=28),
+       ValueError, "array of 8 bytes at offset 28 does not fit"),
+      (lambda p, h: p.put_async(h, np.zeros(1, np.float32), offset=2),
+       ValueError, r"offset 2 is not a whole number of float32 items \(4 "
+       r"bytes each\)"),
+      (lambda p, h: p.read_bytes_async(h, np.zeros(4, np.float64)),
+       TypeError, "out has dtype float64, but handle"),
+      (lambda p, h: p.read_bytes_async(h, np.zeros(2, np.float32),
+                                       offset=30), ValueError,
+       "offset 30 is not a whole number"),
+      (lambda p, h: p.read_bytes_async(h, np.zeros(3, np.float32),
+                                       offset=24), ValueError,
+       "out of 12 bytes at offset 24 does not fit"),
+      (lambda p, h: p.get(h, np.zeros(8, np.int32)), ValueError,
+       "out has shape .* and dtype int32, but handle"),
+  ])
+  def test_transfers_check_the_objects_dtype_and_size(self, pool, call,
+                                                      error, match):
+    stored = np.arange(8, dtype=np.float32)
+    handle = pool.put(stored)
+    with pytest.raises(error, match=match):
+      call(pool, handle).wait()
+    np.testing.assert_array_equal(pool.get(handle), stored)
+
+  def test_partial_writes_and_reads_of_the_objects_dtype_work(self, pool):
+    handle = pool.put(np.zeros(8, np.float32))
+    pool.put_async(handle, np.full(2, 7, ">f4"), offset=8).wait()
+    out = np.empty(3, np.float32)
+    pool.read_bytes_async(handle, out, offset=4).wait()
+    np.testing.assert_array_equal(out, [0, 7, 7])

@@ -633,7 +633,53 @@ TEST(FormatBytesIsReadable) {
   CHECK_EQ(FormatBytes(3ull << 30), std::string("3.00 GiB"));
 }
 
+// A bounded compaction (what free() runs under the pool's lock) moves at
+// most its budget plus one extent, keeps every live extent's bytes (moves
+// applied in order, found through FinalOffsets), and repeated calls remove
+// every hole.
+TEST(CompactSomeIsBoundedAndKeepsExtents) {
+  constexpr uint64_t kCapacity = 16 * kMiB;
+  constexpr uint64_t kBudget = 512 * kKiB;
+  ExtentAllocator allocator(kCapacity, kPage);
+  std::mt19937_64 rng(11);
+  std::map<uint64_t, uint64_t> live;  // offset -> rounded size
+  for (int op = 0; op < 4000; ++op) {
+    if (rng() % 10 < 6 || live.empty()) {
+      StatusOr<uint64_t> result = allocator.Allocate(1 + rng() % (300 * kKiB));
+      if (result.ok()) live[*result] = allocator.live().at(*result);
+    } else {
+      auto it = std::next(live.begin(), rng() % live.size());
+      CHECK_OK(allocator.Free(it->first));
+      live.erase(it);
+    }
+    if (op % 7 != 0) continue;
+    const std::vector<Move> moves = allocator.CompactSome(kBudget);
+    uint64_t moved = 0, largest = 0;
+    for (const Move& move : moves) {
+      CHECK_LT(move.to, move.from);
+      moved += move.bytes;
+      largest = std::max(largest, move.bytes);
+    }
+    CHECK(moved <= kBudget + largest);
+    std::map<uint64_t, uint64_t> now;
+    const std::map<uint64_t, uint64_t> final_offsets = FinalOffsets(moves);
+    for (const auto& [offset, size] : live) {
+      auto it = final_offsets.find(offset);
+      now[it == final_offsets.end() ? offset : it->second] = size;
+    }
+    live = std::move(now);
+    CHECK(live == allocator.live());
+    CheckExtentInvariants(allocator);
+  }
+  for (int i = 0; i < 1000 && allocator.hole_bytes() > 0; ++i) {
+    allocator.CompactSome(kBudget);
+  }
+  CHECK_EQ(allocator.hole_bytes(), 0u);
+  CHECK_EQ(allocator.top(), allocator.allocated_bytes());
+}
+
 }  // namespace
 }  // namespace jcxl
 
 JCXL_TEST_MAIN()
+

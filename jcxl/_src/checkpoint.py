@@ -420,6 +420,7 @@ def save(path: str | os.PathLike, tree: Any, *,
   leaves = jax.tree.leaves(tree, is_leaf=_is_pool_array)
   if not leaves:
     raise ValueError("tree has no leaves: there is nothing to save")
+  _check_saveable(tree)
   if any(_is_pool_array(x) for x in leaves):
     registry.find_pool(next(x for x in leaves if _is_pool_array(x)).pool_id,
                        what="save()")
@@ -447,6 +448,16 @@ def save(path: str | os.PathLike, tree: Any, *,
   logger.info("saved checkpoint %s (%d leaves, %d from the pool)", path,
               len(leaves), len(tiers))
   return path
+
+
+def _check_saveable(tree: Any) -> None:
+  """Refuses a numpy leaf the pool could not hold (object, string,
+  structured dtypes) before Orbax starts, which would fail midway."""
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_is_pool_array)[0]:
+    if isinstance(leaf, (np.ndarray, np.generic)):
+      validation.object_spec(leaf.shape, leaf.dtype,
+                             what=f"leaf {jax.tree_util.keystr(key_path)}")
 
 
 # --------------------------------------------------------------- restore
@@ -482,7 +493,7 @@ def latest(directory: str | os.PathLike) -> str | None:
     if match and is_complete(full):
       found.append((int(match.group(1)), full))
   for _, full in sorted(found, reverse=True):
-    problem = _unreadable_metadata(full)
+    problem = _unreadable_metadata(full) or _missing_checksums(full)
     if problem is None:
       return full
     logger.warning("jcxl: skipping checkpoint %s: %s", full, problem)
@@ -498,6 +509,34 @@ def _unreadable_metadata(path: str) -> str | None:
           return f"{name} does not hold a JSON object"
     except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
       return f"{name} cannot be read: {e}"
+  return None
+
+
+def _checksummed(path: str, custom: dict[str, Any]) -> bool:
+  """Whether the checkpoint must be verified: jcxl wrote it with checksums.
+
+  Every jcxl save since format 2 records them; so either marker says so,
+  and an edit of _METADATA alone cannot turn the check off. Only a format 1
+  checkpoint (before checksums) without checksum files is read unchecked.
+  """
+  record = custom.get(_METADATA_KEY)
+  if checksums.has_files(path):
+    return True
+  if not isinstance(record, dict):
+    return False  # written by Orbax alone
+  return record.get("version") != 1 or "checksums" in record
+
+
+def _missing_checksums(path: str) -> str | None:
+  """Why a checkpoint that must be verified cannot be, or None."""
+  with open(os.path.join(path, "_METADATA"), encoding="utf-8") as f:
+    custom = json.load(f).get("custom_metadata") or {}
+  if not isinstance(custom, dict) or not _checksummed(path, custom):
+    return None
+  try:
+    checksums.load(path)
+  except errors.CheckpointCorruptError as e:
+    return str(e)
   return None
 
 
@@ -529,7 +568,7 @@ def _check_checkpoint(path: str) -> str:
         f"{path!r} is not a finished checkpoint (no _METADATA and "
         "_CHECKPOINT_METADATA, or an unfinished save's temporary directory);"
         " restore an earlier one (jcxl.checkpoint.latest)")
-  problem = _unreadable_metadata(path)
+  problem = _unreadable_metadata(path) or _missing_checksums(path)
   if problem is not None:
     raise errors.CheckpointCorruptError(
         f"checkpoint {path!r} is corrupt: {problem}; restore an earlier one "
@@ -773,8 +812,8 @@ def _restore(path: str | os.PathLike, like: Any, *, pool: Pool | None,
 
   handler = _pytree_handler()
   metadata = handler.metadata(epath.Path(path))
-  custom = (metadata.custom_metadata or {}).get(_METADATA_KEY, {})
-  saved_tiers = custom.get("pool_tiers", {})
+  custom = metadata.custom_metadata or {}
+  saved_tiers = custom.get(_METADATA_KEY, {}).get("pool_tiers", {})
   saved = ocp.tree.to_flat_dict(metadata.tree)
 
   if like is None:
@@ -827,7 +866,7 @@ def _restore(path: str | os.PathLike, like: Any, *, pool: Pool | None,
       target = dataclasses.replace(target, sharding=_saved_sharding(saved[p]))
     _check_leaf(name, target, saved[p])
     args[p] = _restore_args(name, target, pool)
-  if custom.get("checksums"):  # every byte checked before any is written
+  if _checksummed(path, custom):  # every byte checked before any is written
     _verify(path, saved)
   restore_args = ocp.tree.from_flat_dict(
       args, target=item if item is not None else metadata.tree)

@@ -91,6 +91,12 @@ class Recorder:
     os.replace(path + ".tmp", path)
 
 
+def has_files(path: str) -> bool:
+  """Whether the checkpoint at `path` holds any checksum file."""
+  return bool(glob.glob(os.path.join(glob.escape(path),
+                                     f"{_FILE_PREFIX}*.json")))
+
+
 def load(path: str) -> dict[str, dict[str, int]]:
   """Every process's recorded checksums in the checkpoint at `path`."""
   sums: dict[str, dict[str, int]] = {}

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from jcxl._src import errors
 from jcxl._src import registry
+from jcxl._src import validation
 
 if TYPE_CHECKING:
   from jcxl._src.pool import Pool
@@ -86,7 +87,7 @@ def _peer_value(client: Any, key: str, process: int, timeout_s: float
                 ) -> dict[str, Any]:
   try:
     return json.loads(client.blocking_key_value_get(key,
-                                                    int(timeout_s * 1000)))
+                                                    validation.timeout_ms(timeout_s)))
   except Exception as e:  # a deadline, or the service gone
     raise errors.PoolMismatchError(
         f"process {process} did not publish its pool settings within "

@@ -129,7 +129,8 @@ def store_shards(shard_of: Callable[[Any], np.ndarray] | None, *, pool: Pool,
 
   A dtype in non-native byte order is stored (and recorded) as its native
   twin, as ``Pool.put`` does."""
-  shape, dtype, _ = validation.object_spec(shape, dtype, what=f"leaf {path}")
+  shape, dtype, _ = validation.object_spec(shape, dtype, what=f"leaf {path}",
+                                           nonempty=True)
   if make_object is None:
     make_object = lambda device: pool.put(shard_of(device), tier)
   devices, handle_sharding = device_grid(sharding)

@@ -74,13 +74,18 @@ def as_tier(value: str | Tier, *, name: str = "tier") -> Tier:
   return Tier.parse(value, name=name)
 
 
+# A link's latency is counted in int64 nanoseconds by the C++ core; no real
+# link comes near an hour per transfer.
+_MAX_LINK_LATENCY_S = 3600.0
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
   """An emulated link: a bandwidth cap shared by all transfers, plus latency.
 
   Attributes:
     bandwidth: bytes per second (or a string such as '16GB/s').
-    latency_s: fixed time added to each transfer.
+    latency_s: fixed time added to each transfer, in [0, 3600] seconds.
   """
   bandwidth: float | str
   latency_s: float = 0.0
@@ -89,7 +94,12 @@ class LinkModel:
     object.__setattr__(self, "bandwidth",
                        parse_bandwidth(self.bandwidth, name="link bandwidth"))
     object.__setattr__(self, "latency_s", validation.as_seconds(
-        self.latency_s, name="link latency_s"))
+        self.latency_s, name="link latency_s", high=_MAX_LINK_LATENCY_S))
+
+  @property
+  def latency_ns(self) -> int:
+    """The latency as the C++ core takes it (int64 nanoseconds)."""
+    return round(self.latency_s * 1e9)
 
   def __str__(self) -> str:
     return (f"{format_bandwidth(self.bandwidth)}, "
@@ -355,10 +365,12 @@ def _dtype_from_name(name: str) -> np.dtype:
   return np.dtype(name)
 
 
-def _as_host_array(array: Any, what: str = "array") -> np.ndarray:
+def _as_host_array(array: Any, what: str = "array", *,
+                   nonempty: bool = False) -> np.ndarray:
   """`array` as C-contiguous numpy in native byte order (see `put`)."""
   value = np.asarray(array)
-  validation.object_spec(value.shape, value.dtype, what=what)
+  validation.object_spec(value.shape, value.dtype, what=what,
+                         nonempty=nonempty)
   value = validation.as_native(value)
   # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
   return value if value.flags.c_contiguous else value.copy(order="C")
@@ -367,6 +379,11 @@ def _as_host_array(array: Any, what: str = "array") -> np.ndarray:
 # Host buffers the pool allocates start on a huge-page boundary: O_DIRECT
 # reads of the nvme tier then land in them without a bounce copy.
 _BUFFER_ALIGNMENT = 2 << 20
+
+
+# A tier's capacity is counted in pages (the extent allocator's alignment):
+# one below a page would hold nothing.
+_TIER_GRANULARITY = 4096
 
 
 # More copy threads than this is a mistake, not a configuration.
@@ -478,11 +495,18 @@ class Pool:
                topology: topology_lib.Topology | None = None,
                node: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S):
+    given = {Tier.HOST: host, Tier.CXL: cxl, Tier.NVME: nvme}
     capacities = {
         Tier.HOST: parse_bytes(host, name="host"),
         Tier.CXL: parse_bytes(cxl, name="cxl"),
         Tier.NVME: parse_bytes(nvme, name="nvme"),
     }
+    for tier, capacity in capacities.items():
+      if 0 < capacity < _TIER_GRANULARITY:  # would round down to 0 B
+        raise ValueError(
+            f"{tier.value} must be 0 (off) or at least {_TIER_GRANULARITY} "
+            f"bytes (the tier's allocation granularity), but got "
+            f"{given[tier]!r}")
     if not any(capacities.values()):
       raise ValueError("a pool needs at least one tier with a capacity > 0")
     copy_threads = validation.as_count(copy_threads, name="copy_threads",
@@ -493,15 +517,22 @@ class Pool:
     if cxl_link is not None and not isinstance(cxl_link, LinkModel):
       raise TypeError(f"cxl_link must be a jcxl.LinkModel, got {cxl_link!r}")
     self._timeout_s = validation.as_timeout(timeout_s)
+    spill = validation.as_bool(spill, name="spill")
+    emulate_cxl = validation.as_bool(emulate_cxl, name="emulate_cxl")
+    keep_nvme_files = validation.as_bool(keep_nvme_files,
+                                         name="keep_nvme_files")
     self._frees = 0  # objects freed through `free`; see pool_array.Liveness
     self.topology = topology or topology_lib.discover()
     if node is None:
       node = topology_lib.node_of_current_process(self.topology)
+    else:  # (0.0 or '0' would pass the lookup below, or fail unnamed)
+      node = validation.as_count(node, name="node", high=validation.INT32_MAX,
+                                 what="a NUMA node id")
     self.topology.node(node)  # validates the id
     self.node = node
 
     config = _jcxl.PoolConfig()
-    config.spill = bool(spill)
+    config.spill = spill
     config.copy_threads = copy_threads
     config.chunk_bytes = chunk
     config.copy_cpus = list(self.topology.node(
@@ -521,10 +552,10 @@ class Pool:
       config.set_tier(tier.index, tier_config)
       if capacity and tier is Tier.NVME:
         self._swap_dir = swap_dir_lib.make(nvme_dir or tempfile.gettempdir(),
-                                           keep=bool(keep_nvme_files))
+                                           keep=keep_nvme_files)
         self._nvme_dir = self._swap_dir.path
         config.nvme_dir = self._nvme_dir
-        config.keep_nvme_files = bool(keep_nvme_files)
+        config.keep_nvme_files = keep_nvme_files
     try:
       self._pool = _jcxl.Pool.create(config)
     except BaseException:
@@ -539,7 +570,7 @@ class Pool:
     self._settings = {
         **{tier.value: format_bytes(c) for tier, c in capacities.items()},
         "cxl_link": self._cxl_backing(),
-        "spill": bool(spill), "copy_threads": copy_threads,
+        "spill": spill, "copy_threads": copy_threads,
         "chunk_bytes": format_bytes(chunk), "timeout_s": self._timeout_s}
     self._peers_agree = False  # see distributed.check_pools_agree
     registry.add_pool(self)
@@ -592,7 +623,7 @@ class Pool:
 
   def _set_link(self, config: Any, tier: Tier, link: LinkModel) -> None:
     config.link_bytes_per_second = link.bandwidth
-    config.link_latency_ns = int(link.latency_s * 1e9)
+    config.link_latency_ns = link.latency_ns
     self._links[tier] = link
 
   # ------------------------------------------------------------ objects
@@ -611,10 +642,7 @@ class Pool:
         2**63 - 1 bytes.
     """
     tier = as_tier(tier)
-    shape, dtype, nbytes = validation.object_spec(shape, dtype)
-    if nbytes <= 0:
-      raise ValueError(f"cannot store an empty object (shape {shape}, "
-                       f"{dtype.name}): it has 0 bytes")
+    shape, dtype, nbytes = validation.object_spec(shape, dtype, nonempty=True)
     return self._pool.allocate(tier.index, nbytes, list(shape),
                                dtype.name, self._timeout_s)
 
@@ -633,9 +661,7 @@ class Pool:
         bytes, datetime), or `priority` is not an int.
       ValueError: `array` is empty or `tier` is unknown.
     """
-    host = _as_host_array(array)
-    if host.nbytes == 0:
-      raise ValueError(f"cannot store an empty array (shape {host.shape})")
+    host = _as_host_array(array, nonempty=True)
     handle = self.allocate(host.shape, host.dtype, tier)
     try:
       self.put_async(handle, host, priority=priority).wait()
@@ -653,13 +679,42 @@ class Pool:
     """Starts writing `array`'s bytes into object `handle` at byte `offset`.
 
     `array` is converted to native byte order first, as in ``put``.
+
+    Raises:
+      TypeError: `array`'s dtype is not the object's (its bytes would be
+        read back as other numbers).
+      ValueError: `offset` is not a whole number of the object's items, or
+        `array` does not fit in the object from `offset`.
+      UnknownHandleError: `handle` is unknown or freed.
     """
     host = _as_host_array(array)
+    handle = _as_handle(handle)
+    offset = validation.as_count(offset, name="offset")
+    self._check_range(handle, host, offset, "array")
     ticket = self._pool.write(
-        _as_handle(handle), host.ctypes.data, host.nbytes,
-        validation.as_count(offset, name="offset"), _as_priority(priority),
+        handle, host.ctypes.data, host.nbytes, offset, _as_priority(priority),
         validation.as_count(chunk_bytes, name="chunk_bytes"), host)
     return Transfer(ticket, host, self._timeout_s)
+
+  def _check_range(self, handle: int, buffer: np.ndarray, offset: int,
+                   what: str) -> None:
+    """`buffer` holds items of object `handle`'s dtype, from byte `offset`
+    on, within the object."""
+    info = self.info(handle)
+    if buffer.dtype != info.dtype:
+      raise TypeError(
+          f"{what} has dtype {buffer.dtype}, but handle {handle} holds "
+          f"{info.dtype} (shape {info.shape}); convert it first "
+          f"(.astype({info.dtype.name!r}))")
+    if offset % info.dtype.itemsize:
+      raise ValueError(
+          f"offset {offset} is not a whole number of {info.dtype} items "
+          f"({info.dtype.itemsize} bytes each) of handle {handle}")
+    if offset + buffer.nbytes > info.nbytes:
+      raise ValueError(
+          f"{what} of {buffer.nbytes} bytes at offset {offset} does not fit "
+          f"in handle {handle}, which holds {info.nbytes} bytes (shape "
+          f"{info.shape}, {info.dtype})")
 
   def get(self, handle: int, out: np.ndarray | None = None, *,
           priority: int = 0) -> np.ndarray:
@@ -692,11 +747,19 @@ class Pool:
 
   def read_bytes_async(self, handle: int, out: np.ndarray, *, offset: int = 0,
                        priority: int = 0, chunk_bytes: int = 0) -> Transfer:
-    """Starts reading `out.nbytes` bytes of the object from byte `offset`."""
+    """Starts reading `out.nbytes` bytes of the object from byte `offset`.
+
+    Raises:
+      TypeError: `out`'s dtype is not the object's.
+      ValueError: `offset` is not a whole number of the object's items, or
+        the range is past the object's end.
+    """
     _check_writable(out)
+    handle = _as_handle(handle)
+    offset = validation.as_count(offset, name="offset")
+    self._check_range(handle, out, offset, "out")
     ticket = self._pool.read(
-        _as_handle(handle), out.ctypes.data, out.nbytes,
-        validation.as_count(offset, name="offset"), _as_priority(priority),
+        handle, out.ctypes.data, out.nbytes, offset, _as_priority(priority),
         validation.as_count(chunk_bytes, name="chunk_bytes"), out)
     return Transfer(ticket, out, self._timeout_s)
 
@@ -836,8 +899,7 @@ class Pool:
     if self.closed:
       raise errors.PoolClosedError(
           f"pool {self.id} is closed; its links can no longer be set")
-    self._pool.set_link(tier.index, link.bandwidth,
-                        int(link.latency_s * 1e9))
+    self._pool.set_link(tier.index, link.bandwidth, link.latency_ns)
     self._links[tier] = link
 
   @property

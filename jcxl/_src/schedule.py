@@ -141,11 +141,21 @@ def check_made_for(schedule: Schedule, step: MadeFor) -> None:
   step whose pool-resident leaves differ from `step`'s.
 
   Raises:
-    ValueError: naming the plan, both steps and the layers that differ.
+    ValueError: naming the plan, both steps and the layers that differ; or
+      the plan's file has no record of its step (an older format).
   """
   saved = schedule.start if isinstance(schedule, DapSchedule) else schedule
-  if not isinstance(saved, LayerSchedule) or saved.made_for is None:
-    return  # not a saved plan, or one saved without its step's fingerprint
+  if not isinstance(saved, LayerSchedule):
+    return  # not a saved plan
+  if saved.made_for is None:
+    if saved.source:  # a file of the format before plans said what for
+      raise ValueError(
+          f"plan {saved.source!r} does not say which step it was made for "
+          "(it has no 'made_for': the file predates that record), so it "
+          "cannot be checked against this step; re-save it from the step it"
+          " was made for (step.plan.save(path)) or plan afresh "
+          "(schedule='dap')")
+    return  # made in this process, not loaded from a file
   made_for = saved.made_for
   if made_for == step:
     return

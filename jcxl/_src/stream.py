@@ -116,7 +116,7 @@ def _with_spec(value: jax.Array, mesh: Any, spec: P) -> jax.Array:
 
 
 def _timeout_ms(pool) -> np.int64:
-  return np.int64(int(pool._timeout_s * 1000))
+  return np.int64(validation.timeout_ms(pool._timeout_s))
 
 
 def _device_attrs(x: PoolArray, index: Any, pool) -> dict[str, Any]:
@@ -225,8 +225,8 @@ def fetch_done(pending: Pending, *, after: Any = None,
     timeout_s: how long the copy may take (default: the pool's
       ``timeout_s``).
   """
-  timeout_ms = (pending.timeout_ms if timeout_s is None else
-                np.int64(int(timeout_s * 1000)))
+  timeout_ms = (pending.timeout_ms if timeout_s is None else np.int64(
+      validation.timeout_ms(validation.as_timeout(timeout_s))))
   call = functools.partial(_done_call, timeout_ms=timeout_ms)
   dep = _dependency(after)
   if pending.mesh is None:

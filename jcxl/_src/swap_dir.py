@@ -7,7 +7,11 @@ life. The kernel drops that lock when the process ends, however it ends, so
 a directory whose lock can be taken belongs to no live process: a new pool
 removes such directories (left by SIGKILL, a crash, an OOM kill) from the
 same ``nvme_dir``. A directory whose lock is held, or that has no lock file
-(a pool that keeps its files), is never touched.
+(a pool that keeps its files), is never touched. The lock is taken before
+the directory gets its ``jcxl-pool-*`` name (see ``_make_locked``), so no
+live pool's directory is ever seen unlocked; a process killed in those few
+system calls can leave an empty ``.jcxl-pool-*.tmp`` or ``jcxl-pool-*``
+directory, which is never reclaimed.
 
 SIGTERM and SIGHUP, the way schedulers stop jobs, end Python without running
 ``atexit``; where their handler was the default one, jcxl removes its pools'
@@ -34,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "jcxl-pool-"
 LOCK_NAME = ".owner.lock"
+# A directory being made: locked, not yet renamed to PREFIX*; never reclaimed.
+STAGING_SUFFIX = ".tmp"
 CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
@@ -98,20 +104,52 @@ def make(base: str | os.PathLike, *, keep: bool) -> SwapDir:
     raise ValueError(f"nvme_dir {base!r} is not writable by this process")
   reclaim_abandoned(base)
   try:
-    path = tempfile.mkdtemp(prefix=PREFIX, dir=base)  # mode 0700
+    if keep:  # no lock to take: made under its own name at once
+      path = tempfile.mkdtemp(prefix=PREFIX, dir=base)  # mode 0700
+      os.chmod(path, stat.S_IRWXU)
+      return SwapDir(path=path, keep=keep, pid=os.getpid())
+    path, fd = _make_locked(base)
   except OSError as e:
     raise ValueError(f"nvme_dir {base!r} is not writable by this process: "
                      f"{e.strerror}") from e
-  os.chmod(path, stat.S_IRWXU)
-  swap = SwapDir(path=path, keep=keep, pid=os.getpid())
-  if not keep:
-    fd = os.open(os.path.join(path, LOCK_NAME),
-                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # new and private: never contended
-    swap.lock_fd = fd
-    _live[path] = swap
-    _install_signal_cleanup()
+  swap = SwapDir(path=path, keep=keep, pid=os.getpid(), lock_fd=fd)
+  _live[path] = swap
+  _install_signal_cleanup()
   return swap
+
+
+def _make_locked(base: str) -> tuple[str, int]:
+  """A new ``jcxl-pool-*`` directory in `base` whose lock this process
+  holds from the moment the directory has that name.
+
+  The lock file is made and locked in a directory reclaim ignores
+  (``.jcxl-pool-*.tmp``), which then takes the place of an empty
+  ``jcxl-pool-*`` (reserved by mkdtemp: a unique name, and with no lock
+  file also ignored). A lock file created under the final name would be
+  unlocked for a moment, and another process reclaiming then would delete
+  a live pool's directory.
+  """
+  staging = tempfile.mkdtemp(prefix="." + PREFIX, suffix=STAGING_SUFFIX,
+                             dir=base)  # mode 0700
+  try:
+    os.chmod(staging, stat.S_IRWXU)
+    fd = os.open(os.path.join(staging, LOCK_NAME),
+                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)  # new and private: never contended
+      path = tempfile.mkdtemp(prefix=PREFIX, dir=base)
+      try:
+        os.rename(staging, path)  # replaces the empty reservation
+      except OSError:
+        os.rmdir(path)
+        raise
+    except OSError:
+      os.close(fd)
+      raise
+  except OSError:
+    remove_tree(staging)
+    raise
+  return path, fd
 
 
 def remove_tree(path: str) -> None:

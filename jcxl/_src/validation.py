@@ -85,7 +85,8 @@ def as_shape(shape: Any, *, name: str = "shape") -> tuple[int, ...]:
                for i, d in enumerate(shape))
 
 
-def object_spec(shape: Any, dtype: Any, *, what: str | None = None
+def object_spec(shape: Any, dtype: Any, *, what: str | None = None,
+                nonempty: bool = False
                 ) -> tuple[tuple[int, ...], np.dtype, int]:
   """Validates a shape and dtype: (shape, stored dtype, bytes).
 
@@ -94,10 +95,12 @@ def object_spec(shape: Any, dtype: Any, *, what: str | None = None
       bools).
     dtype: see ``storable_dtype``.
     what: what the errors are about (e.g. "leaf ['w']"), said first.
+    nonempty: refuse 0 bytes (what the pool stores has at least one).
 
   Raises:
     TypeError: a bad dtype or a shape that is not ints.
-    ValueError: a negative dimension, or more bytes than int64 counts.
+    ValueError: a negative dimension, more bytes than int64 counts, or (with
+      `nonempty`) an empty object.
   """
   try:
     shape = as_shape(shape)
@@ -107,6 +110,9 @@ def object_spec(shape: Any, dtype: Any, *, what: str | None = None
       raise ValueError(
           f"shape {shape} of {dtype.name} is {nbytes} bytes, more than the "
           f"{MAX_BYTES} (2**63 - 1) an object can hold")
+    if nonempty and nbytes == 0:
+      raise ValueError(f"cannot store an empty array (shape {shape}, "
+                       f"{dtype.name}): it has 0 bytes")
   except (TypeError, ValueError) as e:
     if what is None:
       raise
@@ -135,13 +141,35 @@ def as_timeout(value: Any, *, name: str = "timeout_s") -> float:
   return float(value)
 
 
-def as_seconds(value: Any, *, name: str) -> float:
-  """A finite duration in seconds >= 0."""
+# A deadline past this many ms is no deadline (the C++ side saturates at
+# 2**60 ns); it keeps the int64 attribute from overflowing.
+_MAX_TIMEOUT_MS = 2**60 // 10**6
+
+
+def timeout_ms(seconds: float) -> int:
+  """A validated timeout as a step's deadline in whole milliseconds: rounded
+  up, so a deadline under 1 ms is 1 ms, never 0 (which would fail every
+  wait)."""
+  return min(_MAX_TIMEOUT_MS, max(1, math.ceil(seconds * 1000)))
+
+
+def as_seconds(value: Any, *, name: str, high: float = math.inf) -> float:
+  """A finite duration in seconds in [0, high]."""
+  accepts = ("a finite number of seconds >= 0" if high == math.inf else
+             f"a number of seconds in [0, {high:g}]")
   if isinstance(value, (bool, np.bool_)) or not isinstance(value,
                                                            numbers.Real):
-    raise TypeError(f"{name} must be a finite number of seconds >= 0, but "
-                    f"got {value!r} ({type(value).__name__})")
-  if not (math.isfinite(value) and value >= 0):
-    raise ValueError(f"{name} must be a finite number of seconds >= 0, but "
-                     f"got {value!r}")
+    raise TypeError(f"{name} must be {accepts}, but got {value!r} "
+                    f"({type(value).__name__})")
+  if not (math.isfinite(value) and 0 <= value <= high):
+    raise ValueError(f"{name} must be {accepts}, but got {value!r}")
   return float(value)
+
+
+def as_bool(value: Any, *, name: str) -> bool:
+  """`value` as a bool; only True and False (Python or numpy) are taken:
+  bool() of a string such as 'no' would be True."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be True or False, but got {value!r} "
+                    f"({type(value).__name__})")
+  return bool(value)
