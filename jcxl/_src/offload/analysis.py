@@ -79,14 +79,19 @@ def _with_arguments_after(fn: Callable[..., Any]) -> Callable[..., Any]:
   return traced
 
 
-def _is_update(out: Any, arg: Any) -> bool:
+def _is_update(out: Any, arg: Any, donated: bool) -> bool:
   """Whether output `out` is meant as argument `arg`'s new value: of the
   same type at the top (a dict sharing a key with it; the same dataclass,
   module or sequence type), or, for a single array, of the same shape and
-  dtype. An output of another kind (an eval step's metrics) leaves the
-  argument read-only."""
+  dtype where the argument is donated. An output of another kind (an eval
+  step's metrics) leaves the argument read-only.
+
+  A single array's kind says nothing of intent (`predict(w, x) -> x @ w`
+  with a square `w` returns one of its shape), so only donation, which
+  gives the argument's buffer up as under jax.jit, lets it be rewritten.
+  """
   if isinstance(arg, jax.ShapeDtypeStruct):
-    return (isinstance(out, jax.ShapeDtypeStruct) and
+    return (donated and isinstance(out, jax.ShapeDtypeStruct) and
             tuple(out.shape) == tuple(arg.shape) and out.dtype == arg.dtype)
   if isinstance(arg, collections.abc.Mapping):
     return (isinstance(out, collections.abc.Mapping) and
@@ -114,6 +119,9 @@ def prepare(bound: call_args.BoundCall, out_shardings: Any, name: str
   with_paths = jax.tree_util.tree_flatten_with_path(
       args, is_leaf=is_pool_array)[0]
   flat = [leaf for _, leaf in with_paths]
+  for leaf in flat:
+    if isinstance(leaf, PoolArray):
+      leaf.check_handles()
   names = [bound.leaf_name(path) for path, _ in with_paths]
   avals = avals_of(args)
   fn = _with_arguments_after(bound.fn)
@@ -266,7 +274,7 @@ def _state_targets(bound: call_args.BoundCall, out_shape: Any, name: str
     arg_leaves = jax.tree_util.tree_leaves(arg, is_leaf=is_pool_array)
     if any(isinstance(l, PoolArray) or is_pinned(l) for l in arg_leaves):
       arg_avals = avals_of(arg)
-      if not _is_update(out, arg_avals):
+      if not _is_update(out, arg_avals, a in bound.donated):
         offset += len(out_leaves)
         continue  # read-only state: the output is returned as it is
       in_def = jax.tree_util.tree_structure(arg_avals)
