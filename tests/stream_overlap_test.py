@@ -75,6 +75,17 @@ class StreamOverlapTest:
       if line.startswith(("PASS streamed", "FAIL streamed")) and (
           "resident" in line or "sync" in line) and "differs" not in line:
         assert label in line, line
+    # The floor: the resident chain timed with every layer's copy running
+    # beside it, plus one layer's unoverlapped fetch.
+    floor = results["floor"]
+    assert floor["resident_with_copies"]["best_s"] > 0
+    assert floor["floor_s"] == pytest.approx(
+        floor["resident_with_copies"]["best_s"] + floor["first_fetch_s"])
+    best = min(r["timing"]["best_s"] for r in results["rows"]
+               if r["prefetch"])
+    assert floor["best_streamed_over_floor"] == pytest.approx(
+        best / floor["floor_s"])
+    assert "floor: resident with every layer's copy" in text
     assert results["dispatch"]["fetch_bytes"] == 4096
     assert results["dispatch"]["bit_identical"]
     assert results["dispatch"]["tier"].startswith("host")
