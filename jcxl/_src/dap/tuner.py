@@ -393,7 +393,13 @@ class Tuner:
     self._event("compile limit", None, f"{why}: {len(missing)} plan(s) not "
                 "compiled yet dropped")
     if self._phase is not Phase.RACE:
-      self._settle(self._ran_schedule or self.schedule)
+      # A re-plan waiting for its compile: keep the fastest plan this
+      # episode measured (the one that ran, where none was), not merely
+      # the last to run.
+      ran = self._ran_schedule or self.schedule
+      measured = {c: t for c, t in self._measured.items()
+                  if c not in missing}
+      self._settle(min(measured, key=measured.get) if measured else ran)
       return
     race = self._race
     for c in missing:
