@@ -172,8 +172,10 @@ class PoolArray:
     read another array's objects, or none. Traced handles are not checked.
     """
     handles = self.handles
-    if isinstance(handles, jax.core.Tracer) or not getattr(
-        handles, "is_fully_addressable", True):
+    if (self.pool_id < 0 or  # planned without a pool: no objects
+        not isinstance(handles, (np.ndarray, jax.Array)) or
+        isinstance(handles, jax.core.Tracer) or
+        not getattr(handles, "is_fully_addressable", True)):
       return
     got = sorted(np.asarray(handles).ravel().tolist())
     want = sorted(handle for _, handle in self.local_handles)
