@@ -115,15 +115,15 @@ def _store_in_parts(parts: Callable[[], Any], *, pool: Pool, tier: Tier,
 
 def _fill_parts(value: np.ndarray, dtype: Any,
                 shape: tuple[int, ...]) -> Callable[[], Any]:
-  """Pieces of one small buffer of `value` that add up to `shape`'s bytes."""
-  itemsize = np.dtype(dtype).itemsize
-  nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-  piece = np.full(max(1, min(nbytes, _FILL_BYTES) // itemsize),
-                  value.astype(dtype)).view(np.uint8)
+  """Pieces of one small buffer of `value` (in `dtype`, as the object's
+  writes must be) that add up to `shape`'s items."""
+  items = int(np.prod(shape, dtype=np.int64))
+  piece = np.full(max(1, min(items, _FILL_BYTES // np.dtype(dtype).itemsize)),
+                  value.astype(dtype))
 
   def parts():
-    for offset in range(0, nbytes, piece.nbytes):
-      yield piece[:min(piece.nbytes, nbytes - offset)]
+    for start in range(0, items, piece.size):
+      yield piece[:min(piece.size, items - start)]
   return parts
 
 
