@@ -430,10 +430,10 @@ def _pool(config: Config, state_bytes: int) -> jcxl.Pool:
   sizes = {"host": 0, "cxl": 0}
   if fast:
     sizes[config.fast_tier] = fast
-  # spill: tiers_by_reads fills the fast tier to its last bytes from the
-  # allocator's charges; a leaf it counted as fitting that the fast tier's
-  # extents cannot hold (2.50 MiB planned into 2.38 MiB left at 2.83B
-  # parameters) goes to nvme instead of failing the run.
+  # spill: tiers_by_reads fills the fast tier to its last bytes by the
+  # allocator's rules (slab spans, page-rounded extents); should a leaf it
+  # counted in not fit there after all, it goes to nvme instead of failing
+  # a run of half an hour.
   return jcxl.Pool(host=sizes["host"], cxl=sizes["cxl"], nvme=nvme,
                    nvme_dir=config.nvme_dir, chunk_bytes=config.chunk_bytes,
                    timeout_s=1800.0, spill=True)
