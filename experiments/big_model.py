@@ -26,16 +26,27 @@ checkpoint needs the state's size again on disk; where the disk has no room
 for it beside the nvme tier, it is skipped and the results say so (run
 again with a smaller ``--n_layer`` for the largest size that fits).
 
-Results: ``<results_dir>/results.json`` and ``results.md`` (config, date,
-machine, commit). The pool's nvme files and the checkpoint are deleted at
-the end.
+Progress: a line every ``--progress_s`` during init, compile, each step and
+the checkpoint (bytes written to disk, RSS, VmSwap); the results say whether
+anything of the process was swapped out. Each step also reports the cxl
+tier's achieved GB/s, against its link's bandwidth.
+
+Results: ``<run_dir>/results.json`` and ``results.md`` (config, date,
+machine, commit), and the shared results file
+``docs/results/big_model/<date>-<commit>.md``. The pool's nvme files and
+the checkpoint are deleted at the end.
 
 Command line (2.83B parameters, 31.66 GiB of state, 1.35x this machine's
-23.54 GiB; see docs/scale.md for what has run):
+23.54 GiB; the defaults are this run's; see docs/scale.md for what has run):
 
-  nice -n 10 python -m experiments.big_model --n_embd=2560 --n_layer=36 \
-      --n_head=20 --seq_len=64 --batch=1 --steps=4 --fast_tier=cxl \
-      --fast_capacity=3GiB --nvme_dir=build --results_dir=runs/big_model
+  nice -n 5 python -m experiments.big_model
+
+which is
+
+  python -m experiments.big_model --n_embd=2560 --n_layer=36 --n_head=20 \
+      --seq_len=64 --batch=1 --steps=4 --learning_rate=1e-6 \
+      --warmup_steps=0 --fast_tier=cxl --fast_capacity=3GiB \
+      --nvme_dir=runs/big_model/nvme --run_dir=runs/big_model
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import datetime
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,12 +72,20 @@ from flax import nnx
 import jcxl
 from benchmarks import bench
 from experiments import common
+from experiments import flags as shared_flags
 from jcxl import TransferRecord
 from jcxl.units import format_bytes
 from jcxl.units import parse_bytes
 from models import common as model_common
 from models import data
 from models import gpt2
+
+# adamw at width 2560 and 36 blocks is unstable on 64-token batches: 3e-4
+# gave 5.76, 15.20, 19.00 (4 scanned blocks); 1e-5 warmed up from 1e-6
+# over 4 steps gave 6.02, 4.33, 7.61, 5.59 (36 blocks: the 1e-6 update
+# helped, the 3.25e-6 one did not); so the default is a constant 1e-6.
+LEARNING_RATE = 1e-6
+WARMUP_STEPS = 0
 
 FLAGS = flags.FlagValues()
 _N_EMBD = flags.DEFINE_integer("n_embd", 2560, "Model width.", lower_bound=8,
@@ -74,25 +94,28 @@ _N_LAYER = flags.DEFINE_integer("n_layer", 36, "Blocks.", lower_bound=1,
                                 flag_values=FLAGS)
 _N_HEAD = flags.DEFINE_integer("n_head", 20, "Attention heads.",
                                lower_bound=1, flag_values=FLAGS)
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.",
-                                lower_bound=1, flag_values=FLAGS)
-_BATCH = flags.DEFINE_integer("batch", 1, "Sequences per step.",
-                              lower_bound=1, flag_values=FLAGS)
-_STEPS = flags.DEFINE_integer("steps", 4, "Train steps.", lower_bound=2,
-                              flag_values=FLAGS)
-_LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-4, "adamw's.",
-                                    flag_values=FLAGS)
-_SEED = flags.DEFINE_integer("seed", 0, "Init and data seed.",
-                             flag_values=FLAGS)
+_SEQ_LEN = shared_flags.seq_len(FLAGS, default=64, lower_bound=1)
+_BATCH = shared_flags.batch(FLAGS, default=1, lower_bound=1)
+_STEPS = shared_flags.steps(FLAGS, default=4, help_text="Train steps.",
+                            lower_bound=2)
+_LEARNING_RATE = flags.DEFINE_float(
+    "learning_rate", LEARNING_RATE, "adamw's peak learning rate.",
+    flag_values=FLAGS)
+_WARMUP_STEPS = flags.DEFINE_integer(
+    "warmup_steps", WARMUP_STEPS, "Linear warmup from a tenth of "
+    "--learning_rate over this many steps (0: constant).", lower_bound=0,
+    flag_values=FLAGS)
+_SEED = shared_flags.seed(FLAGS)
 _FAST_TIER = flags.DEFINE_enum("fast_tier", "cxl", ["cxl", "host", "none"],
                                "The tier in front of nvme.",
                                flag_values=FLAGS)
 _FAST_CAPACITY = flags.DEFINE_string(
     "fast_capacity", "3GiB", "Capacity of the fast tier (DRAM: it counts "
     "in the process's RSS).", flag_values=FLAGS)
-_NVME_DIR = flags.DEFINE_string(
-    "nvme_dir", "build", "Existing directory on a real disk for the nvme "
-    "tier and the checkpoint.", flag_values=FLAGS)
+_NVME_DIR = shared_flags.nvme_dir(
+    FLAGS, default=os.path.join("runs", "big_model", "nvme"),
+    help_text="Directory on a real disk (not tmpfs) for the nvme tier's "
+    "files, dd's reference file and the checkpoint; created if missing.")
 _CHUNK = flags.DEFINE_string(
     "chunk_bytes", "4MiB", "The pool's request size (dd uses the same).",
     flag_values=FLAGS)
@@ -100,11 +123,22 @@ _CHECKPOINT = flags.DEFINE_enum(
     "checkpoint", "auto", ["auto", "off"],
     "Save before the last step, resume, repeat it (auto: where the disk has "
     "room).", flag_values=FLAGS)
-_RESULTS_DIR = flags.DEFINE_string("results_dir", "runs/big_model",
-                                   "Where results go.", flag_values=FLAGS)
+_RUN_DIR = shared_flags.run_dir(
+    FLAGS, default=os.path.join("runs", "big_model"),
+    help_text="Where results.json and results.md go; created if missing.")
+# This machine's disk (a virtual one) reads a file just written faster for
+# a few GiB than sustained: idle, six O_DIRECT reads of a 4 GiB file in a
+# row gave 1.19 down to 0.85 GB/s, two of a 16 GiB file 0.68 and 0.63 GB/s.
+# A step reads 36 GiB, so the reference reads 16 GiB.
 _DD_BYTES = flags.DEFINE_string(
-    "dd_bytes", "4GiB", "Size of the dd reference file.", flag_values=FLAGS)
+    "dd_bytes", "16GiB", "Size of the dd reference file (a step of the "
+    "full-size run reads 36 GiB from nvme: the reference should be "
+    "sustained, not a burst).", flag_values=FLAGS)
 
+_PROGRESS_S = flags.DEFINE_float(
+    "progress_s", 60.0, "A progress line every this many seconds during "
+    "init, compile, the steps and the checkpoint (0: none).",
+    lower_bound=0.0, flag_values=FLAGS)
 _SCAN_LAYERS = flags.DEFINE_boolean(
     "scan_layers", False, "Stack the blocks and scan them (the backward "
     "pass then holds every block's gradient at once).", flag_values=FLAGS)
@@ -123,18 +157,20 @@ class Config:
   batch: int
   steps: int
   learning_rate: float
+  warmup_steps: int
   seed: int
   fast_tier: str
   fast_capacity: int
   nvme_dir: str
   chunk_bytes: int
   checkpoint: str
-  results_dir: str
+  run_dir: str
   dd_bytes: int
   scan_layers: bool = False
 
   def validate(self) -> None:
-    common.check_directory(self.nvme_dir, flag="--nvme_dir")
+    if os.path.exists(self.nvme_dir):
+      common.check_directory(self.nvme_dir, flag="--nvme_dir")
     common.check_disk_backed(self.nvme_dir, flag="--nvme_dir")
     if self.n_embd % self.n_head:
       raise ValueError(f"--n_embd {self.n_embd} must be a multiple of "
@@ -157,12 +193,13 @@ def config_from_flags() -> Config:
   return Config(
       n_embd=_N_EMBD.value, n_layer=_N_LAYER.value, n_head=_N_HEAD.value,
       seq_len=_SEQ_LEN.value, batch=_BATCH.value, steps=_STEPS.value,
-      learning_rate=_LEARNING_RATE.value, seed=_SEED.value,
+      learning_rate=_LEARNING_RATE.value, warmup_steps=_WARMUP_STEPS.value,
+      seed=_SEED.value,
       fast_tier=_FAST_TIER.value,
       fast_capacity=parse_bytes(_FAST_CAPACITY.value, name="--fast_capacity"),
       nvme_dir=_NVME_DIR.value,
       chunk_bytes=parse_bytes(_CHUNK.value, name="--chunk_bytes"),
-      checkpoint=_CHECKPOINT.value, results_dir=_RESULTS_DIR.value,
+      checkpoint=_CHECKPOINT.value, run_dir=_RUN_DIR.value,
       dd_bytes=parse_bytes(_DD_BYTES.value, name="--dd_bytes"),
       scan_layers=_SCAN_LAYERS.value)
 
@@ -181,6 +218,88 @@ class PeakRss:
     peak = common.peak_rss_since_reset()
     self.run_peak = max(self.run_peak, peak)
     return peak
+
+
+def _proc_kb(path: str, key: str) -> int | None:
+  """A 'Key:  N kB' figure of a /proc file, in bytes (None if absent)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if line.startswith(key):
+          return int(line.split()[1]) << 10
+  except OSError:
+    return None
+  return None
+
+
+def swap_status() -> dict[str, int | None]:
+  """The kernel's swap (SwapTotal, SwapFree) and this process's swapped
+  out memory now (VmSwap), in bytes."""
+  return {"swap_total_bytes": _proc_kb("/proc/meminfo", "SwapTotal:"),
+          "swap_free_bytes": _proc_kb("/proc/meminfo", "SwapFree:"),
+          "vm_swap_bytes": _proc_kb("/proc/self/status", "VmSwap:")}
+
+
+def _disk_written() -> int:
+  """Bytes this process has written to storage (/proc/self/io)."""
+  try:
+    with open("/proc/self/io", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("write_bytes:"):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return 0
+
+
+class Progress:
+  """A line every `interval_s` while a phase runs (init, compile, a step,
+  the checkpoint): elapsed time, the bytes written to disk in the phase,
+  RSS and VmSwap; it also keeps the largest VmSwap seen."""
+
+  def __init__(self, interval_s: float):
+    self.interval_s = interval_s
+    self.max_vm_swap = 0
+    self._phase = None
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True)
+
+  def __enter__(self) -> Progress:
+    if self.interval_s > 0:
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
+    self.sample()
+
+  def phase(self, name: str, expected_disk_bytes: int | None = None) -> None:
+    with self._lock:
+      self._phase = (name, time.perf_counter(), _disk_written(),
+                     expected_disk_bytes)
+
+  def sample(self) -> int:
+    swap = _proc_kb("/proc/self/status", "VmSwap:") or 0
+    self.max_vm_swap = max(self.max_vm_swap, swap)
+    return swap
+
+  def _loop(self) -> None:
+    while not self._stop.wait(self.interval_s):
+      swap = self.sample()
+      with self._lock:
+        if self._phase is None:
+          continue
+        name, t0, written0, expected = self._phase
+      written = _disk_written() - written0
+      share = (f" of ~{format_bytes(expected)} ({written / expected:.0%})"
+               if expected else "")
+      rss = _proc_kb("/proc/self/status", "VmRSS:") or 0
+      _say(f"  [{name}] {time.perf_counter() - t0:6.0f} s, "
+           f"{format_bytes(written)} written to disk{share}, RSS "
+           f"{format_bytes(rss)}, VmSwap {format_bytes(swap)}")
 
 
 def _dd(args: list[str]) -> bench.DdReport:
@@ -220,11 +339,18 @@ def _busy_s(records: Sequence[TransferRecord]) -> float:
 
 def nvme_bandwidth(records: Sequence[TransferRecord]) -> dict[str, float]:
   """The nvme tier's achieved GB/s while busy: reads, writes, and both."""
-  nvme = [r for r in records if r.tier.value == "nvme" and r.ok]
+  return tier_bandwidth(records, "nvme")
+
+
+def tier_bandwidth(records: Sequence[TransferRecord],
+                   tier: str) -> dict[str, float]:
+  """A tier's achieved bytes/s while its copies ran (the union of their
+  times): reads, writes, and both."""
+  mine = [r for r in records if r.tier.value == tier and r.ok]
   out = {}
-  for name, chosen in (("read", [r for r in nvme if not r.to_pool]),
-                       ("write", [r for r in nvme if r.to_pool]),
-                       ("both", nvme)):
+  for name, chosen in (("read", [r for r in mine if not r.to_pool]),
+                       ("write", [r for r in mine if r.to_pool]),
+                       ("both", mine)):
     busy = _busy_s(chosen)
     out[name] = sum(r.nbytes for r in chosen) / busy if busy else 0.0
     out[f"{name}_busy_s"] = busy
@@ -310,20 +436,25 @@ def _pool(config: Config, state_bytes: int) -> jcxl.Pool:
   sizes = {"host": 0, "cxl": 0}
   if fast:
     sizes[config.fast_tier] = fast
+  # spill: tiers_by_reads fills the fast tier to its last bytes by the
+  # allocator's rules (slab spans, page-rounded extents); should a leaf it
+  # counted in not fit there after all, it goes to nvme instead of failing
+  # a run of half an hour.
   return jcxl.Pool(host=sizes["host"], cxl=sizes["cxl"], nvme=nvme,
                    nvme_dir=config.nvme_dir, chunk_bytes=config.chunk_bytes,
-                   timeout_s=1800.0)
+                   timeout_s=1800.0, spill=True)
 
 
 def _step_line(i: int, row: dict[str, Any]) -> str:
   tiers = "  ".join(
       f"{t} r {format_bytes(r)} w {format_bytes(w)}"
       for t, (r, w) in row["tier_bytes"].items())
-  bw = row["nvme_gbps"]
+  rates = "  ".join(
+      f"{t} GB/s r {bw['read'] / 1e9:.2f} w {bw['write'] / 1e9:.2f}"
+      for t, bw in row["tier_gbps"].items())
   return (f"step {i:3d}  loss {row['loss']:.4f}  {row['step_s']:7.1f} s  "
           f"stall {row['stall_s']:6.1f} s  compute {row['compute_s']:6.1f} s"
-          f"  {tiers}  nvme GB/s r {bw['read'] / 1e9:.2f} w "
-          f"{bw['write'] / 1e9:.2f} both {bw['both'] / 1e9:.2f}")
+          f"  {tiers}  {rates}")
 
 
 def _run_step(step, params, opt_state, batch, pool) -> tuple[Any, dict]:
@@ -340,7 +471,8 @@ def _run_step(step, params, opt_state, batch, pool) -> tuple[Any, dict]:
          "compute_s": compute,
          "tier_bytes": {t: (after[t][0] - before[t][0],
                             after[t][1] - before[t][1]) for t in after},
-         "nvme_gbps": nvme_bandwidth(records)}
+         "nvme_gbps": nvme_bandwidth(records),
+         "tier_gbps": {t: tier_bandwidth(records, t) for t in after}}
   return (params, opt_state), row
 
 
@@ -362,12 +494,40 @@ def _checkpoint_room(config: Config, state_bytes: int) -> tuple[bool, str]:
   return True, f"{format_bytes(free)} free beside the nvme tier"
 
 
+def optimizer(config: Config) -> optax.GradientTransformation:
+  """adamw, its learning rate warmed up linearly from a tenth of the peak
+  over `warmup_steps`."""
+  if not config.warmup_steps:
+    return optax.adamw(config.learning_rate)
+  return optax.adamw(optax.linear_schedule(
+      config.learning_rate / 10, config.learning_rate, config.warmup_steps))
+
+
 def run(config: Config) -> dict[str, Any]:
-  os.makedirs(config.results_dir, exist_ok=True)
+  with Progress(_PROGRESS_S.value if FLAGS.is_parsed() else 0) as progress:
+    results = _run(config, progress)
+  results["swap"] = dict(swap_status(),
+                         max_vm_swap_bytes=progress.max_vm_swap)
+  results["swap"]["none_swapped"] = progress.max_vm_swap == 0
+  _say(f"swap: SwapTotal {format_bytes(results['swap']['swap_total_bytes'] or 0)}"
+       f", largest VmSwap of this process {format_bytes(progress.max_vm_swap)}"
+       f": {'nothing swapped' if progress.max_vm_swap == 0 else 'SWAPPED'}")
+  common.write_json(os.path.join(config.run_dir, "results.json"), results)
+  with open(os.path.join(config.run_dir, "results.md"), "w",
+            encoding="utf-8") as f:
+    f.write(markdown(results))
+  _say(markdown(results))
+  return results
+
+
+def _run(config: Config, progress: Progress) -> dict[str, Any]:
+  os.makedirs(config.run_dir, exist_ok=True)
+  os.makedirs(config.nvme_dir, exist_ok=True)
+  common.check_directory(config.nvme_dir, flag="--nvme_dir")
   started = time.time()
   machine = bench.describe_machine(config.nvme_dir)
   model = config.model()
-  tx = optax.adamw(config.learning_rate)
+  tx = optimizer(config)
   build, key, param_shapes, opt_shapes = _state_shapes(model, tx, config.seed)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
   state_bytes = _nbytes((param_shapes, opt_shapes))
@@ -379,6 +539,7 @@ def run(config: Config) -> dict[str, Any]:
        f"state (fp32 params + adamw) {format_bytes(state_bytes)} = "
        f"{state_bytes / physical:.2f}x physical memory "
        f"({format_bytes(physical)})")
+  progress.phase("dd before training")
   dd_before = dd_reference(config.nvme_dir, config.dd_bytes,
                            config.chunk_bytes)
   _say(f"dd O_DIRECT, {format_bytes(config.chunk_bytes)} requests: read "
@@ -396,9 +557,16 @@ def run(config: Config) -> dict[str, Any]:
     labels = {t.value: s.label() for t, s in pool.stats().tiers.items()
               if s.enabled}
     results["tiers"] = labels
+    results["links"] = {
+        t: {"bandwidth": pool.link_estimate(t).bandwidth,
+            "latency_s": pool.link_estimate(t).latency_s}
+        for t in labels if t != "nvme"}
     _say("pool: " + "; ".join(f"{l}, {format_bytes(pool.stats()[t].capacity)}"
                               for t, l in labels.items()))
     t0 = time.perf_counter()
+    nvme_share = max(state_bytes - sum(
+        pool.stats()[t].capacity for t in labels if t != "nvme"), 0)
+    progress.phase("init in the pool", nvme_share)
     param_kinds, opt_kinds = jcxl.tiers_by_reads(
         [(param_shapes, 3), (opt_shapes, 1)], pool)
     params = jcxl.init_in_pool(build, key, pool=pool, kinds=param_kinds)
@@ -419,6 +587,7 @@ def run(config: Config) -> dict[str, Any]:
     step = jcxl.cxl_offload(common.make_train_step(gpt2.make_loss(model), tx),
                             schedule="fixed:1")
     t0 = time.perf_counter()
+    progress.phase("compile")
     step.compile(params, opt_state, batches[0])
     results["compile_s"] = time.perf_counter() - t0
     _say(f"compiled in {results['compile_s']:.1f} s\n{step.plan}")
@@ -431,12 +600,14 @@ def run(config: Config) -> dict[str, Any]:
       if i == config.steps - 1 and room:
         rss.window()
         t0 = time.perf_counter()
+        progress.phase("checkpoint save", state_bytes)
         saved = jcxl.checkpoint.save(
             ckpt_dir, {"params": params, "opt_state": opt_state})
         save_s = time.perf_counter() - t0
         save_peak = rss.window()
         _say(f"checkpoint saved: {format_bytes(state_bytes)} in {save_s:.1f} s"
              f", peak RSS {format_bytes(save_peak)}")
+      progress.phase(f"step {i + 1}")
       (params, opt_state), row = _run_step(step, params, opt_state,
                                            batches[i], pool)
       row["lower_bound_s"] = _lower_bound(row, dd_before)  # for now
@@ -446,9 +617,11 @@ def run(config: Config) -> dict[str, Any]:
     results["peak_rss_steps_bytes"] = rss.window()
     if saved is not None:
       t0 = time.perf_counter()
+      progress.phase("checkpoint restore")
       jcxl.checkpoint.restore_into(saved, {"params": params,
                                            "opt_state": opt_state})
       restore_s = time.perf_counter() - t0
+      progress.phase(f"step {config.steps} again, from the checkpoint")
       (params, opt_state), again = _run_step(step, params, opt_state,
                                              batches[-1], pool)
       equal = again["loss"] == rows[-1]["loss"]
@@ -464,17 +637,13 @@ def run(config: Config) -> dict[str, Any]:
     else:
       _say(f"checkpoint skipped: {why}")
       results["checkpoint"] = {"skipped": why}
+  progress.phase("dd after training")
   dd_after = dd_reference(config.nvme_dir, config.dd_bytes,
                           config.chunk_bytes)
   results["dd"] = {"before": dd_before, "after": dd_after}
   results["peak_rss_bytes"] = max(rss.run_peak, rss.window())
   results["wall_s"] = time.time() - started
   _summarize(results)
-  common.write_json(os.path.join(config.results_dir, "results.json"), results)
-  with open(os.path.join(config.results_dir, "results.md"), "w",
-            encoding="utf-8") as f:
-    f.write(markdown(results))
-  _say(markdown(results))
   return results
 
 
@@ -492,6 +661,13 @@ def _summarize(results: dict[str, Any]) -> None:
       "write_ratio": nvme["write"] / dd["write"]}
   for row in results["steps"]:
     row["lower_bound_s"] = _lower_bound(row, dd)
+  for tier, link in results.get("links", {}).items():
+    rates = {d: float(np.mean([r["tier_gbps"][tier][d] for r in timed]))
+             for d in ("read", "write")}
+    results[f"{tier}_vs_link"] = {
+        "link": link["bandwidth"], "read": rates["read"],
+        "write": rates["write"], "read_ratio": rates["read"] / link["bandwidth"],
+        "write_ratio": rates["write"] / link["bandwidth"]}
   results["step_vs_bound"] = [
       r["step_s"] / r["lower_bound_s"] for r in results["steps"]]
   results["peak_rss_over_physical"] = (results["peak_rss_bytes"] /
@@ -514,7 +690,8 @@ def markdown(r: dict[str, Any]) -> str:
       f"({r['machine']['disk']['fs_type']})",
       f"- config: width {c['n_embd']}, {c['n_layer']} blocks, {c['n_head']} "
       f"heads, byte vocab, batch {c['batch']} x {c['seq_len']} tokens, "
-      f"{c['steps']} steps, adamw lr {c['learning_rate']}, fast tier "
+      f"{c['steps']} steps, adamw lr {c['learning_rate']} (linear warmup "
+      f"from a tenth over {c['warmup_steps']} steps), fast tier "
       f"{c['fast_tier']} {format_bytes(c['fast_capacity'])}, request "
       f"{format_bytes(c['chunk_bytes'])}",
       "- tiers: " + "; ".join(r["tiers"].values()),
@@ -530,20 +707,22 @@ def markdown(r: dict[str, Any]) -> str:
       "",
       "| step | loss | step s | stall s | compute s | lower bound s | "
       "step / bound | nvme read GB | nvme written GB | nvme read GB/s | "
-      "nvme write GB/s | other tiers r/w GB |",
+      "nvme write GB/s | other tiers r/w GB | other tiers r/w GB/s |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
-      "--- |"]
+      "--- | --- |"]
   for i, (row, ratio) in enumerate(zip(r["steps"], r["step_vs_bound"])):
     nr, nw = row["tier_bytes"].get("nvme", (0, 0))
     other = ", ".join(f"{t} {gb(a)}/{gb(b)}" for t, (a, b) in
                       row["tier_bytes"].items() if t != "nvme") or "-"
+    rates = ", ".join(f"{t} {gb(v['read'])}/{gb(v['write'])}" for t, v in
+                      row.get("tier_gbps", {}).items() if t != "nvme") or "-"
     lines.append(
         f"| {i + 1} | {row['loss']:.4f} | {row['step_s']:.1f} | "
         f"{row['stall_s']:.1f} | {row['compute_s']:.1f} | "
         f"{row['lower_bound_s']:.1f} | "
         f"{ratio:.2f} | {gb(nr)} | {gb(nw)} | "
         f"{gb(row['nvme_gbps']['read'])} | {gb(row['nvme_gbps']['write'])} | "
-        f"{other} |")
+        f"{other} | {rates} |")
   v = r["nvme_vs_dd"]
   lines += [
       "",
@@ -557,6 +736,20 @@ def markdown(r: dict[str, Any]) -> str:
       f"{gb(r['dd']['after']['read'])}, write "
       f"{gb(r['dd']['after']['write'])} GB/s.",
       ""]
+  for tier in r.get("links", {}):
+    v = r[f"{tier}_vs_link"]
+    lines += [
+        f"{tier} tier during training (steps 2 on, busy time) vs its link's "
+        f"{gb(v['link'])} GB/s: read {gb(v['read'])} GB/s = "
+        f"{v['read_ratio']:.2f}, write {gb(v['write'])} GB/s = "
+        f"{v['write_ratio']:.2f}.", ""]
+  sw = r.get("swap")
+  if sw:
+    lines += [
+        f"swap: SwapTotal {format_bytes(sw['swap_total_bytes'] or 0)}; this "
+        f"process's VmSwap at most {format_bytes(sw['max_vm_swap_bytes'])} "
+        f"(sampled every progress line and at the end): "
+        f"{'nothing swapped' if sw['none_swapped'] else 'SWAPPED'}.", ""]
   ck = r["checkpoint"]
   if "skipped" in ck:
     lines.append(f"checkpoint: skipped at this size: {ck['skipped']}.")

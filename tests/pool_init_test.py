@@ -156,6 +156,28 @@ class TiersByReadsTest:
       p, b = jcxl.tiers_by_reads([(params, 3), (big, 3)], pool)
       assert (p, b) == ({"a": "nvme", "b": "nvme"}, {"c": "cxl"})
 
+  def test_the_fast_tier_holds_what_it_is_given(self, tmp_path):
+    # 108 biases of 30 KiB (as a 36-block model's qkv biases, each with two
+    # moments) take 32 KiB slots, 8 to a 256 KiB span: 14 spans, 3.5 MiB,
+    # more than their bytes and a span; with a 600 KiB leaf they fill
+    # more than 4 MiB. Counting each at its bytes after the first span
+    # planned them all into the 4 MiB tier, and the last failed to store.
+    tree = {"big": jax.ShapeDtypeStruct((150 * 1024,), np.float32),
+            "biases": [jax.ShapeDtypeStruct((7680,), np.float32)
+                       for _ in range(108)]}
+    with jcxl.Pool(host=0, cxl="4MiB", nvme="64MiB",
+                   nvme_dir=tmp_path) as pool:
+      (kinds,) = jcxl.tiers_by_reads([(tree, 1)], pool)
+      assert kinds["big"] == "cxl"
+      assert "nvme" in kinds["biases"]
+      made = jcxl.init_in_pool(
+          lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree),
+          pool=pool, kinds=kinds)
+      got = jax.tree.map(lambda x: x.tier.value, made,
+                         is_leaf=lambda x: isinstance(x, jcxl.PoolArray))
+      assert got == kinds
+      assert pool.stats()["cxl"].free < 256 << 10  # the room was used
+
   def test_errors(self, tmp_path):
     leaf = {"a": jax.ShapeDtypeStruct((4 << 20,), np.float32)}
     with jcxl.Pool(host=0, cxl="1MiB") as pool:

@@ -19,6 +19,8 @@ whole), never the model.
 
 from __future__ import annotations
 
+import bisect
+
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -322,21 +324,44 @@ def init_in_pool(fn: Callable[..., Any], *args: Any, pool: Pool,
 
 
 
-# The allocator's extents are page aligned; objects up to 64 KiB share
-# slab spans of 256 KiB, one size class to a span: each size counts a span
-# the first time a tier gets it.
+# The allocator's (ffi/allocator.cc, HybridAllocator) rules: extents are
+# page aligned; objects up to 64 KiB take a slot of their size class in a
+# slab span of 256 KiB, one class to a span, a span holding
+# 256 KiB // class-size slots; a new span is taken when the class's spans
+# are full. The classes: 16-byte steps to 128, then 2^k x {5, 6, 7, 8} / 4.
 _PAGE = 4096
 _SLAB_MAX = 64 << 10
 _SPAN = 256 << 10
 
 
-def _charge(nbytes: int, small_sizes: set[int]) -> int:
-  """Bytes of a tier an object of `nbytes` is counted as using."""
+def _class_sizes() -> list[int]:
+  sizes = list(range(16, 129, 16))
+  power = 128
+  while power < _SLAB_MAX:
+    for quarter in (5, 6, 7, 8):
+      size = min(power * quarter // 4, _SLAB_MAX)
+      if size > sizes[-1]:
+        sizes.append(size)
+    power *= 2
+  return sizes
+
+
+_CLASS_SIZES = _class_sizes()
+
+
+def _slab_class(nbytes: int) -> int:
+  """The allocator's slot size for an object of `nbytes` <= 64 KiB."""
+  return _CLASS_SIZES[bisect.bisect_left(_CLASS_SIZES, nbytes)]
+
+
+def _charge(nbytes: int, slots: dict[int, int]) -> int:
+  """Bytes of a tier one more object of `nbytes` takes: its page-rounded
+  extent, or for a slab object a new span when its class's spans are full
+  (`slots`: objects of each class the tier has so far), else nothing."""
   if nbytes > _SLAB_MAX:
     return -(-nbytes // _PAGE) * _PAGE
-  if nbytes in small_sizes:
-    return nbytes
-  return _SPAN
+  size = _slab_class(max(nbytes, 1))
+  return _SPAN if slots.get(size, 0) % (_SPAN // size) == 0 else 0
 _TIER_SPEED = ("host", "cxl", "nvme")  # fastest first
 
 
@@ -377,7 +402,7 @@ def tiers_by_reads(groups: Any, pool: Pool) -> list[Any]:
   """
   stats = pool.stats()
   room = {t: stats[t].free for t in _TIER_SPEED if stats[t].enabled}
-  small: dict[str, set[int]] = {t: set() for t in room}
+  slots: dict[str, dict[int, int]] = {t: {} for t in room}
   order = []
   kinds: list[list[str]] = []
   treedefs = []
@@ -393,12 +418,14 @@ def tiers_by_reads(groups: Any, pool: Pool) -> list[Any]:
   for _, minus_bytes, g, i, leaf in sorted(order, key=lambda x: x[:4]):
     nbytes = -minus_bytes
     tier = next((t for t, free in room.items()
-                 if free >= _charge(nbytes, small[t])), None)
+                 if free >= _charge(nbytes, slots[t])), None)
     if tier is None:
       raise ValueError(
           f"a leaf of {nbytes} bytes (group {g}, leaf {i}) "
           f"fits in no tier of pool {pool.id}: free bytes per tier {room}")
-    room[tier] -= _charge(nbytes, small[tier])
-    small[tier].add(nbytes)
+    room[tier] -= _charge(nbytes, slots[tier])
+    if nbytes <= _SLAB_MAX:
+      size = _slab_class(max(nbytes, 1))
+      slots[tier][size] = slots[tier].get(size, 0) + 1
     kinds[g][i] = tier
   return [jax.tree_util.tree_unflatten(d, k) for d, k in zip(treedefs, kinds)]
