@@ -107,10 +107,9 @@ _BANDWIDTHS = shared_flags.link_bandwidths(
 _LATENCY_US = shared_flags.link_latency_us(FLAGS)
 _SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "schedules",
                                flag_values=FLAGS)
-_STEPS = flags.DEFINE_integer(
-    "steps", 24, "timed rounds per case (each schedule's --block_steps a "
-    "round)",
-    flag_values=FLAGS)
+_STEPS = shared_flags.steps(
+    FLAGS, default=24, help_text="timed rounds per case (each schedule's "
+    "--block_steps a round)")
 _BLOCK_STEPS = flags.DEFINE_integer(
     "block_steps", 2, "steps each schedule runs back to back in a round, "
     "the last one timed, as a plan runs in production (on XLA:CPU a plan's "

@@ -74,9 +74,9 @@ _MODELS = flags.DEFINE_list("models", ["llama", "vit", "gpt2_deep"],
                             f"models, of {sorted(MODELS)}", flag_values=FLAGS)
 _FIXED = flags.DEFINE_list("fixed", list(FIXED), "fixed schedules DAP is "
                            "compared with", flag_values=FLAGS)
-_STEPS = flags.DEFINE_integer(
-    "steps", 200, "steps of DAP (and of each fixed schedule) after DAP "
-    "settled, in rounds of --block_steps each", flag_values=FLAGS)
+_STEPS = shared_flags.steps(
+    FLAGS, default=200, help_text="steps of DAP (and of each fixed "
+    "schedule) after DAP settled, in rounds of --block_steps each")
 _BLOCK_STEPS = flags.DEFINE_integer(
     "block_steps", 2, "steps each schedule runs back to back a round, the "
     "last timed", flag_values=FLAGS)
