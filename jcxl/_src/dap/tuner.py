@@ -385,7 +385,7 @@ class Tuner:
 
   def give_up(self, missing: Sequence[LayerSchedule], why: str) -> None:
     """Drops plans to come that could not be compiled (in time): a race
-    goes on with those that are; a re-plan keeps the plan that ran."""
+    goes on with those that are; a re-plan keeps the fastest plan measured."""
     missing = set(missing) & set(self.upcoming())
     if not missing:
       return
