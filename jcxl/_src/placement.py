@@ -174,8 +174,9 @@ def as_jax_value(leaf: Any, path: str = "") -> Any:
       not np.iinfo(dtype).min <= leaf <= np.iinfo(dtype).max):
     # jnp.asarray refuses such an int too; astype would wrap it silently.
     raise OverflowError(
-        f"leaf {path or '(root)'}: Python int {leaf} does not fit {dtype}, the dtype jnp.asarray "
-        f"gives it{' with x64 off' if dtype.itemsize < 8 else ''}; pass an "
+        f"leaf {path or '(root)'}: Python int {leaf} does not fit "
+        f"{dtype}, the dtype jnp.asarray gives it"
+        f"{' with x64 off' if dtype.itemsize < 8 else ''}; pass an "
         "array of the dtype you mean")
   return value.astype(dtype, copy=False)
 
