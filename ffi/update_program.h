@@ -1,0 +1,112 @@
+// Elementwise update programs: an optimizer's update of one layer (adam,
+// adamw, sgd with momentum, lion, ... as optax traces them), taken by jcxl
+// from the step's jaxpr and run on the host CPU in place on pool objects
+// (the "near-memory" update: only weights in and gradients out cross the
+// device link).
+//
+// A program is straight-line code over registers. Every register is either
+// a vector of the chunk being processed (float lanes) or a scalar (one
+// float broadcast to every lane). Registers [0, inputs.size()) are the
+// program's inputs, in order; instruction i writes register
+// inputs.size() + i. Values are computed in float32; an instruction whose
+// `dtype` is kBF16 rounds its result to bfloat16 (round to nearest even),
+// as XLA:CPU computes bfloat16 arithmetic. Booleans are 0.0f / 1.0f.
+//
+// The arithmetic is IEEE float32 with no fast-math contraction, so a
+// program matches XLA:CPU's evaluation of the same jaxpr bit for bit where
+// XLA does the same operations (add, sub, mul, div, sqrt, min, max, ...).
+#ifndef JCXL_FFI_UPDATE_PROGRAM_H_
+#define JCXL_FFI_UPDATE_PROGRAM_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "status.h"
+
+namespace jcxl {
+
+enum class UpdateDType : int32_t { kF32 = 0, kBF16 = 1, kBool = 2 };
+
+// Operations, by the name of the JAX primitive they implement. Operands
+// a, b, c are register numbers (-1: unused).
+enum class UpdateOp : int32_t {
+  kAdd = 0,      // a + b
+  kSub = 1,      // a - b
+  kMul = 2,      // a * b
+  kDiv = 3,      // a / b
+  kMax = 4,      // max(a, b), NaN if either is NaN (as lax.max)
+  kMin = 5,      // min(a, b), NaN if either is NaN (as lax.min)
+  kNeg = 6,      // -a
+  kAbs = 7,      // |a|
+  kSign = 8,     // -1, 0 or 1 (NaN stays NaN, -0 stays -0), as lax.sign
+  kSqrt = 9,     // sqrt(a)
+  kRsqrt = 10,   // 1 / sqrt(a)
+  kSquare = 11,  // a * a
+  kIntPow = 12,  // a ** imm (imm an integer, may be negative), by squaring
+                 // as XLA does
+  kSelect = 13,  // a ? c : b   (lax.select_n(a, b, c): a is the predicate)
+  kClamp = 14,   // min(max(b, a), c)   (lax.clamp(a=lo, b=x, c=hi))
+  kEq = 15, kNe = 16, kLt = 17, kLe = 18, kGt = 19, kGe = 20,  // -> bool
+  kAnd = 21, kOr = 22, kNot = 23,  // on bools
+  kConvert = 24,  // a to `dtype` (f32 -> bf16 rounds; -> bool is a != 0)
+  kCopy = 25,     // a
+};
+
+struct UpdateInstr {
+  UpdateOp op = UpdateOp::kCopy;
+  int32_t a = -1, b = -1, c = -1;
+  UpdateDType dtype = UpdateDType::kF32;  // the result's
+  int32_t imm = 0;                        // kIntPow's exponent
+};
+
+// An input register: a pool object read element by element, a scalar given
+// at each run (the step's learning rate, bias corrections, clip scale: they
+// change every step), or a constant of the program.
+struct UpdateInput {
+  enum class Kind : int32_t { kObject = 0, kScalar = 1, kConstant = 2 };
+  Kind kind = Kind::kObject;
+  int32_t handle = 0;        // kObject: the pool object (f32 or bf16)
+  int32_t scalar_index = 0;  // kScalar: index into each run's scalars
+  float constant = 0;        // kConstant
+};
+
+// An output: a register written into a pool object, converted to the
+// object's dtype. An object may be both read and written (in place): each
+// chunk is read before any of its outputs is written.
+struct UpdateOutput {
+  int32_t reg = 0;
+  int32_t handle = 0;
+};
+
+struct UpdateProgram {
+  int64_t num_elements = 0;  // of every object the program reads or writes
+  int32_t num_scalars = 0;   // floats each run passes
+  std::vector<UpdateInput> inputs;
+  std::vector<UpdateInstr> code;
+  std::vector<UpdateOutput> outputs;
+};
+
+// Checks a program's structure: operands name earlier registers, ops and
+// dtypes are known, outputs are vector registers, scalar indices lie in
+// [0, num_scalars). Object handles are checked by the pool.
+Status ValidateUpdateProgram(const UpdateProgram& program);
+
+// One array a run reads or writes, resolved by the pool to memory.
+struct UpdateArray {
+  void* data = nullptr;
+  UpdateDType dtype = UpdateDType::kF32;  // kF32 or kBF16
+};
+
+// Runs `program` on elements [begin, end) of its arrays: `in` per input
+// register (kObject inputs only are read; others ignored), `out` per
+// output. Single-threaded; the caller splits the range over threads.
+// `scalars` holds program.num_scalars floats.
+void RunUpdateRange(const UpdateProgram& program,
+                    const std::vector<UpdateArray>& in,
+                    const std::vector<UpdateArray>& out, const float* scalars,
+                    int64_t begin, int64_t end);
+
+}  // namespace jcxl
+
+#endif  // JCXL_FFI_UPDATE_PROGRAM_H_
