@@ -979,6 +979,37 @@ class TuningBoundTest:
       tuner.step_done(profile_of(0.09))
     assert tuner.schedule == start
 
+  @pytest.mark.parametrize("first_s, second_s", [(0.10, 0.20), (0.20, 0.10)])
+  def test_a_replan_not_compiled_in_time_keeps_the_fastest_plan_measured(
+      self, first_s, second_s):
+    # Measured compute moves the model's plan twice: sync, then b 1
+    # ahead, then c 2 ahead (behind a's longer compute), whose compile runs
+    # past the limit. Kept: whichever of the two measured ran faster, not
+    # merely the one that ran last.
+    segments = [seg("a", 0, 0.01), seg("b", 8 * MiB, 0.01),
+                seg("c", 8 * MiB, 0.01)]
+    start = schedule_lib.LayerSchedule.of(dict.fromkeys("abc", 0),
+                                          name="sync")
+    tuner = tuner_lib.Tuner(start, None, tuner_lib.TunerOptions(
+        warmup_steps=0, measure_steps=1, explore=(), max_compile_s=1))
+    tuner.resolve(segments, LINK)
+    computes = lambda s, c: dataclasses.replace(profile_of(s),
+                                                segment_compute_s=c)
+    assert tuner.step_done(computes(first_s, (0.01, 0.01, 0.01)))
+    second = tuner.schedule
+    assert tuner.step_done(computes(second_s, (0.03, 0.001, 0.01)))
+    third = tuner.schedule
+    assert len({start, second, third}) == 3
+    assert tuner.upcoming() == [third]
+    tuner.waited([third], compiling_s=1.5)
+    assert tuner.history[-1].what == "compile limit"
+    fastest = start if first_s < second_s else second
+    assert tuner.schedule == fastest and tuner.upcoming() == [fastest]
+    while not tuner.converged:
+      tuner.step_done(profile_of(min(first_s, second_s)))
+    assert tuner.schedule == fastest
+    assert tuner.costs[-1].limited == "compile"
+
   def test_a_candidate_compiled_over_the_budget_never_runs(self):
     tuner = four_layers(100 * MiB, warmup_steps=0, measure_steps=1,
                         explore=(2,))

@@ -41,6 +41,7 @@ from jcxl._src.dap import costmodel
 from jcxl._src.dap.drift import Checks
 from jcxl._src.dap.drift import Drift
 from jcxl._src.dap.drift import median_bandwidths
+from jcxl._src.dap.model import StepModel
 from jcxl._src.dap.profile import StepProfile
 from jcxl._src.dap.race import Race
 from jcxl._src.dap.race import Turn
@@ -198,9 +199,7 @@ class Tuner:
     self.reasons: tuple[str, ...] = ()
     self._base_bytes: int | None = None  # device need with no prefetch
     self._base_floor = 0  # raised by each plan found over the budget
-    self._segments: list[costmodel.Segment] = []
-    self._links: dict[str, costmodel.Link] = {}
-    self._planned_for: dict[str, float] = {}  # tier -> bandwidth used
+    self.model = StepModel()  # what it learned of the step
     self._window: list[StepProfile] = []
     self._phase = Phase.WARMUP
     self._steps = 0
@@ -208,17 +207,12 @@ class Tuner:
     # Steps in a row not measured because they followed another program's.
     self._deferred = 0
     self._ran_version: int | None = None  # the plan the last step ran
-    # The plan's modelled step on the links it was made for, by plan.
-    self._planned_step: tuple[LayerSchedule, float] | None = None
     # Per plan tried: its compile-cache version and the step time measured
     # with it, so that a plan the cost model liked but the device did not
     # is dropped for the best one measured (without a recompile).
     self._versions: dict[LayerSchedule, int] = {}
     self._measured: dict[LayerSchedule, float] = {}
     self._race: Race | None = None  # the race in progress
-    # Step time the model does not see (dispatch, host work), measured
-    # against its prediction for the plan that ran; added to predictions.
-    self._overhead_s = 0.0
     self._ran_schedule: LayerSchedule | None = None
     # The tuning episode in progress (see TuningCost), and those settled.
     self._cost = TuningCost(0, 0, 0, 0.0)
@@ -248,8 +242,7 @@ class Tuner:
   def resolve(self, segments: Sequence[costmodel.Segment],
               links: Mapping[str, costmodel.Link]) -> LayerSchedule:
     """The schedule to compile with (called while the step is traced)."""
-    if not self._segments:  # estimates; measurements replace them later
-      self._segments, self._links = list(segments), dict(links)
+    self.model.estimate(segments, links)
     if self.schedule is None:
       self._replan("plan", measured_s=None)
     elif self.prediction is None:  # a saved plan to start from
@@ -261,12 +254,9 @@ class Tuner:
   def _replan(self, what: str, measured_s: float | None,
               over_budget: bool = False) -> bool:
     start = dict(self.schedule.prefetch) if self.schedule else None
-    choice = costmodel.choose_schedule(self._segments, self._links,
-                            prefetch_budget=self.prefetch_budget, start=start)
+    choice = self.model.choose(self.prefetch_budget, start)
     schedule = LayerSchedule.of(choice.prefetch, choice.chunk_bytes,
                                 name="dap")
-    choice = dataclasses.replace(
-        choice, prediction=self._with_overhead(choice.prediction))
     if self.schedule is not None and not over_budget:
       # A new plan must promise enough to pay for its recompile: measured
       # noise alone would otherwise move the plan back and forth.
@@ -297,8 +287,7 @@ class Tuner:
     self.schedule = schedule
     self.prediction = choice.prediction
     self.reasons = choice.reasons
-    self._planned_for = {t: l.bandwidth for t, l in self._links.items()}
-    self._planned_step = None
+    self.model.planned()
     self._event(what if changed else "holds", measured_s,
                 "; ".join(choice.reasons))
     return changed
@@ -315,7 +304,7 @@ class Tuner:
     re-plans that follow end within log2 of its prefetched bytes.
     """
     schedule = schedule or self.schedule
-    peak = costmodel.peak_prefetch_bytes(self._segments,
+    peak = costmodel.peak_prefetch_bytes(self.model.segments,
                                          dict(schedule.prefetch))
     over = self.budget is not None and need_bytes > self.budget
     if over:
@@ -476,7 +465,8 @@ class Tuner:
             else self._ran_schedule)
     self._race = None
     if best in measured:  # the prediction is what it was measured at
-      self._learn_overhead(best, measured[best])
+      self.model.learn_overhead(best, measured[best],
+                                dict(self.schedule.chunk_bytes))
     self._switch(best)
     self._phase, self._window = Phase.STEADY, []
     self._checks.reset(self.options,
@@ -502,7 +492,7 @@ class Tuner:
         self._checks.passed(profile.step_s, self.options)
         # The prediction follows the plan's recent steps, not only the
         # three its baseline measured (the host's pace moves).
-        self._learn_overhead(self.schedule, self._checks.baseline_s)
+        self.model.learn_overhead(self.schedule, self._checks.baseline_s)
         self.prediction = self.predict(dict(self.schedule.prefetch))
         return False
       # One slow step is often just the machine: measure a few more,
@@ -519,10 +509,9 @@ class Tuner:
       # kept plan run on its own, as it will run from now on (a race's
       # steps ran beside other plans').
       self._checks.recent = [p.step_s for p in self._window]
-      self._learn(self._window, self.schedule, measured)
+      self.model.learn(self._window, self.schedule, measured)
       self.prediction = self.predict(dict(self.schedule.prefetch))
-      self._planned_for.update(median_bandwidths(self._window))
-      self._planned_step = None
+      self.model.ran_at(median_bandwidths(self._window))
       self._phase, self._window = Phase.STEADY, []
       self._event("settled", measured, "baseline for drift: "
                   f"{measured * 1e3:.2f} ms a step")
@@ -578,7 +567,7 @@ class Tuner:
           name="dap")
       if candidate in candidates or (
           budget is not None and costmodel.peak_prefetch_bytes(
-              self._segments, dict(candidate.prefetch)) > budget):
+              self.model.segments, dict(candidate.prefetch)) > budget):
         continue
       if candidate not in self._versions:
         if self.replans >= self.options.max_replans:
@@ -628,7 +617,8 @@ class Tuner:
     # plan's own steps say how it computes: where the device shares the
     # host's cores with the copies (XLA:CPU), compute runs slower under a
     # plan that overlaps more transfers with it.
-    self._learn(race.times[best], best, medians[best])
+    self.model.learn(race.times[best], best, medians[best],
+                     dict(self.schedule.chunk_bytes))
     before = self.schedule
     self._settle(best)
     return self.schedule != before
@@ -652,57 +642,17 @@ class Tuner:
     medians over `profiles`."""
     base = self._checks.baseline_s
     step_s = statistics.median(p.step_s for p in profiles)
-    # A link counts by what it does to this plan's step: the achieved
-    # bandwidth of small or well-hidden transfers swings widely with no
-    # effect on the step at all. Only a slower link counts: a faster one
-    # leaves the plan as good.
-    measured = {t: costmodel.Link(bw) for t, bw in
-                median_bandwidths(profiles).items() if t in self._links}
-    if measured:
-      then = self._planned_step_s()
-      moved = self._simulate({**self._planned_links(), **measured}) - then
-      if moved > self.options.link_drift * then and (
-          not base or step_s > base):
-        return Drift.LINK
+    slowed = self.model.link_slowed(
+        self.schedule, median_bandwidths(profiles), self.options.link_drift)
+    if slowed and (not base or step_s > base):
+      return Drift.LINK
     if base and step_s > (1 + self.options.drift) * base:
       return Drift.STEP
     return None
 
-  def _planned_links(self) -> dict[str, costmodel.Link]:
-    return {**self._links, **{t: costmodel.Link(bw)
-                              for t, bw in self._planned_for.items()}}
-
-  def _planned_step_s(self) -> float:
-    """The plan's modelled step on the links it was made for (cached: the
-    checks of a settled plan ask it again and again)."""
-    if self._planned_step is None or self._planned_step[0] != self.schedule:
-      self._planned_step = (self.schedule,
-                            self._simulate(self._planned_links()))
-    return self._planned_step[1]
-
   def _learn_and_replan(self, measured_s: float) -> bool:
-    self._learn(self._window, self.schedule, measured_s)
+    self.model.learn(self._window, self.schedule, measured_s)
     return self._replan("replan", measured_s)
-
-  def _learn(self, window: Sequence[StepProfile], schedule: LayerSchedule,
-             measured_s: float) -> None:
-    """Learns each segment's compute, the links and what the model does
-    not see from `schedule`'s measured steps `window` (medians)."""
-    self._planned_step = None  # the model changes
-    matched = [p.segment_compute_s for p in window
-               if p.segment_compute_s is not None]
-    if matched:
-      median = [statistics.median(c) for c in zip(*matched)]
-      self._segments = [dataclasses.replace(s, compute_s=c)
-                        for s, c in zip(self._segments, median)]
-    # Measured bandwidth is bytes over busy time: per-transfer overheads
-    # are in it already, so the learned link has no separate latency.
-    for tier in self._links:
-      seen = [p.bandwidth_by_tier[tier] for p in window
-              if tier in p.bandwidth_by_tier]
-      if seen:
-        self._links[tier] = costmodel.Link(statistics.median(seen), 0.0)
-    self._learn_overhead(schedule, measured_s)
 
   def _event(self, what: str, measured_s: float | None, detail: str) -> None:
     event = TunerEvent(self._steps, what,
@@ -715,29 +665,13 @@ class Tuner:
   def predict(self, prefetch: Mapping[str, int]) -> costmodel.Prediction:
     """The cost model's view of another plan, on what was measured (with
     the step time it does not model, as last measured)."""
-    return self._with_overhead(costmodel.simulate(
-        self._segments, prefetch, self._links,
-        dict(self.schedule.chunk_bytes) if self.schedule else None))
-
-  def _learn_overhead(self, schedule: LayerSchedule,
-                      measured_s: float) -> None:
-    """Learns the step time the model does not see, from `schedule`'s
-    measured step."""
-    self._overhead_s = 0.0
-    modelled = self.predict(dict(schedule.prefetch)).step_s
-    self._overhead_s = max(0.0, measured_s - modelled)
-
-  def _simulate(self, links: Mapping[str, costmodel.Link]) -> float:
-    """The current plan's modelled step time on `links`."""
-    return costmodel.simulate(self._segments, dict(self.schedule.prefetch),
-                              links, dict(self.schedule.chunk_bytes)).step_s
-
-  def _with_overhead(self, p: costmodel.Prediction) -> costmodel.Prediction:
-    return dataclasses.replace(p, step_s=p.step_s + self._overhead_s)
+    return self.model.predict(
+        prefetch, dict(self.schedule.chunk_bytes) if self.schedule else None)
 
   @property
   def links(self) -> dict[str, costmodel.Link]:
-    return dict(self._links)
+    """Each tier's link as the model learned it."""
+    return dict(self.model.links)
 
 
 def _split(profiles: Sequence[StepProfile]) -> str:
