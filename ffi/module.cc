@@ -18,8 +18,11 @@
 #include <vector>
 
 #include "allocator.h"
+#include "host_update.h"
 #include "pool.h"
 #include "stream_handlers.h"
+#include "update_handlers.h"
+#include "update_program.h"
 #ifdef JCXL_WITH_CUDA
 #include <nanobind/stl/map.h>
 
@@ -178,6 +181,116 @@ void BindResults(nb::module_& m) {
       .def_ro("bytes_from_pool", &WaitTotals::bytes_from_pool)
       .def_ro("wait_ns", &WaitTotals::wait_ns)
       .def_ro("transfers", &WaitTotals::transfers);
+
+  nb::class_<UpdateStats>(m, "UpdateStats")
+      .def_ro("runs", &UpdateStats::runs)
+      .def_ro("failed", &UpdateStats::failed)
+      .def_ro("elements", &UpdateStats::elements)
+      .def_ro("bytes_read", &UpdateStats::bytes_read)
+      .def_ro("bytes_written", &UpdateStats::bytes_written)
+      .def_ro("busy_ns", &UpdateStats::busy_ns)
+      .def_ro("threads", &UpdateStats::threads);
+}
+
+// Update programs (update_program.h), built from jcxl/_src/update_program.py's
+// dataclasses and read back field by field. Ops, dtypes and kinds travel as
+// their ints: ValidateUpdateProgram names a bad one (an enum binding would
+// turn it into a bare TypeError).
+void BindUpdatePrograms(nb::module_& m) {
+  nb::class_<UpdateInput>(m, "UpdateInput")
+      .def(
+          "__init__",
+          [](UpdateInput* self, int32_t kind, int32_t handle,
+             int32_t scalar_index, float constant) {
+            new (self) UpdateInput{static_cast<UpdateInput::Kind>(kind),
+                                   handle, scalar_index, constant};
+          },
+          nb::arg("kind"), nb::arg("handle") = 0, nb::arg("scalar_index") = 0,
+          nb::arg("constant") = 0.0f)
+      .def_prop_ro("kind",
+                   [](const UpdateInput& i) {
+                     return static_cast<int32_t>(i.kind);
+                   })
+      .def_ro("handle", &UpdateInput::handle)
+      .def_ro("scalar_index", &UpdateInput::scalar_index)
+      .def_ro("constant", &UpdateInput::constant);
+
+  nb::class_<UpdateInstr>(m, "UpdateInstr")
+      .def(
+          "__init__",
+          [](UpdateInstr* self, int32_t op, int32_t a, int32_t b, int32_t c,
+             int32_t dtype, int32_t imm) {
+            new (self) UpdateInstr{static_cast<UpdateOp>(op), a, b, c,
+                                   static_cast<UpdateDType>(dtype), imm};
+          },
+          nb::arg("op"), nb::arg("a") = -1, nb::arg("b") = -1,
+          nb::arg("c") = -1, nb::arg("dtype") = 0, nb::arg("imm") = 0)
+      .def_prop_ro("op",
+                   [](const UpdateInstr& i) {
+                     return static_cast<int32_t>(i.op);
+                   })
+      .def_ro("a", &UpdateInstr::a)
+      .def_ro("b", &UpdateInstr::b)
+      .def_ro("c", &UpdateInstr::c)
+      .def_prop_ro("dtype",
+                   [](const UpdateInstr& i) {
+                     return static_cast<int32_t>(i.dtype);
+                   })
+      .def_ro("imm", &UpdateInstr::imm);
+
+  nb::class_<UpdateOutput>(m, "UpdateOutput")
+      .def(
+          "__init__",
+          [](UpdateOutput* self, int32_t reg, int32_t handle) {
+            new (self) UpdateOutput{reg, handle};
+          },
+          nb::arg("reg"), nb::arg("handle"))
+      .def_ro("reg", &UpdateOutput::reg)
+      .def_ro("handle", &UpdateOutput::handle);
+
+  nb::class_<UpdateProgram>(m, "UpdateProgram")
+      .def(
+          "__init__",
+          [](UpdateProgram* self, int64_t num_elements, int32_t num_scalars,
+             std::vector<UpdateInput> inputs, std::vector<UpdateInstr> code,
+             std::vector<UpdateOutput> outputs, bool flush_denormals) {
+            new (self) UpdateProgram{num_elements, num_scalars,
+                                     std::move(inputs), std::move(code),
+                                     std::move(outputs), flush_denormals};
+          },
+          nb::arg("num_elements"), nb::arg("num_scalars"), nb::arg("inputs"),
+          nb::arg("code"), nb::arg("outputs"),
+          nb::arg("flush_denormals") = false)
+      .def_ro("num_elements", &UpdateProgram::num_elements)
+      .def_ro("num_scalars", &UpdateProgram::num_scalars)
+      .def_ro("inputs", &UpdateProgram::inputs)
+      .def_ro("code", &UpdateProgram::code)
+      .def_ro("outputs", &UpdateProgram::outputs)
+      .def_ro("flush_denormals", &UpdateProgram::flush_denormals);
+
+  m.def(
+      "validate_update_program",
+      [](const UpdateProgram& program) {
+        ThrowIfError(ValidateUpdateProgram(program));
+      },
+      "Checks a program's structure (not its handles): ValueError if bad.");
+
+  nb::class_<UpdateRun>(m, "UpdateRun")
+      .def(
+          "wait",
+          [](UpdateRun& run, double timeout_s) {
+            const int64_t timeout_ns = SecondsToNs(timeout_s);
+            Status status;
+            {
+              nb::gil_scoped_release release;
+              status = run.Wait(timeout_ns);
+            }
+            ThrowIfError(status);
+          },
+          nb::arg("timeout_s"))
+      .def("done", &UpdateRun::done)
+      .def_prop_ro("id", &UpdateRun::id)
+      .def_prop_ro("program_id", &UpdateRun::program_id);
 }
 
 // An allocator alone, without memory, for replaying allocation traces:
@@ -276,6 +389,7 @@ NB_MODULE(_jcxl, m) {
   });
 
   BindResults(m);
+  BindUpdatePrograms(m);
 
   nb::class_<TierConfig>(m, "TierConfig")
       .def(nb::init<>())
@@ -301,6 +415,7 @@ NB_MODULE(_jcxl, m) {
       .def_rw("copy_threads", &PoolConfig::copy_threads)
       .def_rw("chunk_bytes", &PoolConfig::chunk_bytes)
       .def_rw("copy_cpus", &PoolConfig::copy_cpus)
+      .def_rw("update_threads", &PoolConfig::update_threads)
       .def_prop_rw(
           "slab_max_bytes",
           [](const PoolConfig& c) { return c.allocator.slab_max_bytes; },
@@ -427,6 +542,27 @@ NB_MODULE(_jcxl, m) {
            })
       .def("stats", &Pool::Stats)
       .def("drain_records", &Pool::DrainRecords)
+      .def("register_update",
+           [](Pool& p, UpdateProgram program) {
+             return Unwrap(p.RegisterUpdate(std::move(program)));
+           },
+           nb::arg("program"))
+      .def("release_update",
+           [](Pool& p, int32_t id) { ThrowIfError(p.ReleaseUpdate(id)); },
+           nb::arg("program_id"))
+      .def("start_update",
+           [](Pool& p, int32_t id, std::vector<float> scalars) {
+             StatusOr<std::shared_ptr<UpdateRun>> run(
+                 std::shared_ptr<UpdateRun>{});
+             {
+               // It waits for a compaction under way.
+               nb::gil_scoped_release release;
+               run = p.StartUpdate(id, std::move(scalars));
+             }
+             return Unwrap(std::move(run));
+           },
+           nb::arg("program_id"), nb::arg("scalars"))
+      .def("update_stats", &Pool::update_stats)
       .def("close", [](Pool& p, double timeout_s) {
         const int64_t timeout_ns = SecondsToNs(timeout_s);
         Status status;
@@ -466,7 +602,9 @@ NB_MODULE(_jcxl, m) {
                      {"jcxl_fetch_start_into", kFetchStartInto},
                      {"jcxl_after", kAfter},
                      {"jcxl_store_start", kStoreStart},
-                     {"jcxl_store_done", kStoreDone}});
+                     {"jcxl_store_done", kStoreDone},
+                     {"jcxl_update_start", kUpdateStart},
+                     {"jcxl_update_done", kUpdateDone}});
   });
 
   // The same targets for XLA's CUDA platform, where jcxl was built with the
@@ -479,7 +617,9 @@ NB_MODULE(_jcxl, m) {
                      {"jcxl_fetch_start_into", cuda::kCudaFetchStartInto},
                      {"jcxl_after", cuda::kCudaAfter},
                      {"jcxl_store_start", cuda::kCudaStoreStart},
-                     {"jcxl_store_done", cuda::kCudaStoreDone}});
+                     {"jcxl_store_done", cuda::kCudaStoreDone},
+                     {"jcxl_update_start", cuda::kCudaUpdateStart},
+                     {"jcxl_update_done", cuda::kCudaUpdateDone}});
   });
   m.def("cuda_device_count", &cuda::DeviceCount);
   m.def("cuda_flush", &cuda::Flush,

@@ -6,8 +6,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
+#include <algorithm>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 namespace jcxl::numa {
@@ -78,6 +85,74 @@ Status PinThreadToCpus(const std::vector<int>& cpus) {
                       std::strerror(rc));
   }
   return Status::Ok();
+}
+
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+std::vector<int> ParseCpuList(const std::string& text) {
+  std::vector<int> cpus;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    item.erase(std::remove_if(item.begin(), item.end(),
+                              [](char c) {
+                                return std::isspace(
+                                    static_cast<unsigned char>(c));
+                              }),
+               item.end());
+    if (item.empty()) continue;
+    const size_t dash = item.find('-');
+    char* end = nullptr;
+    const long first = std::strtol(item.c_str(), &end, 10);
+    long last = first;
+    if (dash != std::string::npos) {
+      if (end != item.c_str() + dash) return {};
+      last = std::strtol(item.c_str() + dash + 1, &end, 10);
+    }
+    if (*end != '\0' || first < 0 || last < first || last >= CPU_SETSIZE) {
+      return {};
+    }
+    for (long cpu = first; cpu <= last; ++cpu) {
+      cpus.push_back(static_cast<int>(cpu));
+    }
+  }
+  return cpus;
+}
+
+std::map<int, std::vector<int>> AllowedCpusByNode() {
+  std::map<int, std::vector<int>> out;
+  const std::vector<int> allowed = AllowedCpus();
+  const std::string root = "/sys/devices/system/node";
+  DIR* dir = opendir(root.c_str());
+  if (dir == nullptr) return out;
+  while (dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind("node", 0) != 0 || name.size() == 4 ||
+        name.find_first_not_of("0123456789", 4) != std::string::npos) {
+      continue;
+    }
+    std::ifstream file(root + "/" + name + "/cpulist");
+    std::string text;
+    if (!file || !std::getline(file, text)) continue;
+    std::vector<int> cpus;
+    for (int cpu : ParseCpuList(text)) {
+      if (std::binary_search(allowed.begin(), allowed.end(), cpu)) {
+        cpus.push_back(cpu);
+      }
+    }
+    if (!cpus.empty()) out[std::atoi(name.c_str() + 4)] = std::move(cpus);
+  }
+  closedir(dir);
+  return out;
 }
 
 }  // namespace jcxl::numa

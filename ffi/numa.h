@@ -4,6 +4,8 @@
 #define JCXL_FFI_NUMA_H_
 
 #include <cstddef>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "status.h"
@@ -20,6 +22,17 @@ StatusOr<std::vector<int>> PageNodes(const void* addr, size_t bytes);
 
 // Pins the calling thread to `cpus` (no-op for an empty list).
 Status PinThreadToCpus(const std::vector<int>& cpus);
+
+// The CPUs this process may run on (its affinity mask), ascending.
+std::vector<int> AllowedCpus();
+
+// The allowed CPUs of each NUMA node (from /sys/devices/system/node),
+// leaving out nodes with none (CXL memory, other cgroups' CPUs). Empty
+// where /sys does not say.
+std::map<int, std::vector<int>> AllowedCpusByNode();
+
+// "0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}; an unparsable list -> empty.
+std::vector<int> ParseCpuList(const std::string& text);
 
 }  // namespace jcxl::numa
 

@@ -212,6 +212,12 @@ Status Pool::Init() {
   engine_ = std::make_unique<CopyEngine>(config_.copy_threads,
                                          config_.chunk_bytes,
                                          config_.copy_cpus);
+  if (config_.update_threads < 0) {
+    return Status(Code::kInvalidArgument,
+                  "update_threads must be >= 0 (0: one per CPU), got " +
+                      std::to_string(config_.update_threads));
+  }
+  updater_ = std::make_unique<HostUpdater>(config_.update_threads);
   return Status::Ok();
 }
 
@@ -744,6 +750,217 @@ uint64_t Pool::faults_injected() {
   return engine_ ? engine_->faults_injected() : 0;
 }
 
+namespace {
+
+// The elements a shape holds, or -1 if the product overflows int64.
+int64_t ElementsOf(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && n > INT64_MAX / d)) return -1;
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+StatusOr<UpdateTarget> Pool::UpdateTargetOf(int32_t handle,
+                                            const std::string& role,
+                                            int64_t elements) {
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok()) {
+    return Status(found.status().code(), role + ": " +
+                                             found.status().message());
+  }
+  const Object& object = **found;
+  UpdateTarget target;
+  target.handle = handle;
+  if (object.dtype == "float32") {
+    target.dtype = UpdateDType::kF32;
+  } else if (object.dtype == "bfloat16") {
+    target.dtype = UpdateDType::kBF16;
+  } else {
+    return Status(Code::kInvalidArgument,
+                  role + ": " + Label(handle, object) + " holds " +
+                      (object.dtype.empty() ? "untyped bytes" : object.dtype) +
+                      "; update programs read and write float32 or bfloat16 "
+                      "objects");
+  }
+  const int64_t held = ElementsOf(object.shape);
+  const uint64_t item = target.dtype == UpdateDType::kBF16 ? 2 : 4;
+  if (held != elements) {
+    return Status(Code::kInvalidArgument,
+                  role + ": " + Label(handle, object) + " holds " +
+                      std::to_string(held) +
+                      " elements, but the program is for num_elements = " +
+                      std::to_string(elements));
+  }
+  if (object.allocation.bytes != static_cast<uint64_t>(elements) * item) {
+    return Status(Code::kInvalidArgument,
+                  role + ": " + Label(handle, object) + " holds " +
+                      std::to_string(object.allocation.bytes) +
+                      " bytes, not the " +
+                      std::to_string(static_cast<uint64_t>(elements) * item) +
+                      " of its shape and dtype");
+  }
+  const TierArena& arena = tiers_[object.tier].arenas[object.arena];
+  const uint64_t offset = arena.allocator->OffsetOf(object.allocation);
+  if (arena.arena->base() != nullptr) {
+    target.memory = arena.arena->base() + offset;
+  } else {
+    target.file = arena.arena.get();
+    target.file_offset = offset;
+  }
+  return target;
+}
+
+StatusOr<int32_t> Pool::RegisterUpdate(UpdateProgram program) {
+  JCXL_RETURN_IF_ERROR(ValidateUpdateProgram(program));
+  if (program.outputs.empty()) {
+    return Status(Code::kInvalidArgument,
+                  "update program: it writes no object (no outputs)");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
+  }
+  for (size_t i = 0; i < program.inputs.size(); ++i) {
+    if (program.inputs[i].kind != UpdateInput::Kind::kObject) continue;
+    StatusOr<UpdateTarget> target =
+        UpdateTargetOf(program.inputs[i].handle,
+                       "update program: input " + std::to_string(i),
+                       program.num_elements);
+    if (!target.ok()) return target.status();
+  }
+  for (size_t o = 0; o < program.outputs.size(); ++o) {
+    StatusOr<UpdateTarget> target =
+        UpdateTargetOf(program.outputs[o].handle,
+                       "update program: output " + std::to_string(o),
+                       program.num_elements);
+    if (!target.ok()) return target.status();
+  }
+  if (next_update_id_ == INT32_MAX) {
+    return Status(Code::kExhausted, "pool " + std::to_string(id_) +
+                                        " has registered the most update "
+                                        "programs it can");
+  }
+  const int32_t id = next_update_id_++;
+  updates_[id] = std::make_shared<const UpdateProgram>(std::move(program));
+  return id;
+}
+
+Status Pool::ReleaseUpdate(int32_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
+  }
+  if (updates_.erase(id) == 0) {
+    return Status(Code::kNotFound, "update program " + std::to_string(id) +
+                                       " is unknown to pool " +
+                                       std::to_string(id_) +
+                                       " (released, or never registered)");
+  }
+  return Status::Ok();
+}
+
+StatusOr<std::shared_ptr<UpdateRun>> Pool::StartUpdate(
+    int32_t id, std::vector<float> scalars) {
+  std::unique_lock<std::mutex> lock(mu_);
+  // Addresses are taken now: no compaction may be moving objects.
+  unpinned_cv_.wait(lock, [this] { return !compacting_; });
+  if (closed_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
+  }
+  auto it = updates_.find(id);
+  if (it == updates_.end()) {
+    return Status(Code::kNotFound, "update program " + std::to_string(id) +
+                                       " is unknown to pool " +
+                                       std::to_string(id_) +
+                                       " (released, or never registered)");
+  }
+  const UpdateProgram& program = *it->second;
+  const std::string name = "update program " + std::to_string(id);
+  if (scalars.size() != static_cast<size_t>(program.num_scalars)) {
+    return Status(Code::kInvalidArgument,
+                  name + " takes " + std::to_string(program.num_scalars) +
+                      " scalars per run, but got " +
+                      std::to_string(scalars.size()));
+  }
+  UpdateJob job;
+  job.program = it->second;
+  job.program_id = id;
+  job.scalars = std::move(scalars);
+  job.in.resize(program.inputs.size());
+  job.out.resize(program.outputs.size());
+  std::vector<uint32_t> pinned;  // distinct object indices
+  // Objects on one node's memory run on that node's workers.
+  int node = -2;  // -2: none seen yet
+  auto resolve = [&](int32_t handle, const std::string& role,
+                     UpdateTarget* target) -> Status {
+    StatusOr<UpdateTarget> found = UpdateTargetOf(
+        handle, name + ": " + role, program.num_elements);
+    if (!found.ok()) return found.status();
+    *target = *found;
+    const Object& object = objects_.at(IndexOf(handle));
+    if (target->memory != nullptr) {
+      const int arena_node = tiers_[object.tier].arenas[object.arena].node;
+      const bool bound =
+          arena_node >= 0 && !config_.tiers[object.tier].emulated;
+      node = node == -2 && bound ? arena_node
+             : node == arena_node && bound ? node
+                                           : -1;
+    }
+    if (std::find(pinned.begin(), pinned.end(), IndexOf(handle)) ==
+        pinned.end()) {
+      pinned.push_back(IndexOf(handle));
+    }
+    return Status::Ok();
+  };
+  for (size_t i = 0; i < program.inputs.size(); ++i) {
+    if (program.inputs[i].kind != UpdateInput::Kind::kObject) continue;
+    JCXL_RETURN_IF_ERROR(resolve(program.inputs[i].handle,
+                                 "input " + std::to_string(i) +
+                                     " (freed since the program was "
+                                     "registered?)",
+                                 &job.in[i]));
+  }
+  for (size_t o = 0; o < program.outputs.size(); ++o) {
+    JCXL_RETURN_IF_ERROR(resolve(program.outputs[o].handle,
+                                 "output " + std::to_string(o) +
+                                     " (freed since the program was "
+                                     "registered?)",
+                                 &job.out[o]));
+  }
+  job.node = node < 0 ? -1 : node;
+  job.on_complete = [this, pinned](const Status&) {
+    {
+      std::lock_guard<std::mutex> relock(mu_);
+      for (uint32_t index : pinned) {
+        auto found = objects_.find(index);
+        if (found != objects_.end()) --found->second.pins;
+      }
+      total_pins_ -= static_cast<int>(pinned.size());
+    }
+    unpinned_cv_.notify_all();
+  };
+  // Pinned before the updater may run it: its completion takes mu_, held
+  // here until the pins are counted.
+  for (uint32_t index : pinned) ++objects_.at(index).pins;
+  total_pins_ += static_cast<int>(pinned.size());
+  StatusOr<std::shared_ptr<UpdateRun>> run = updater_->Submit(std::move(job));
+  if (!run.ok()) {
+    for (uint32_t index : pinned) --objects_.at(index).pins;
+    total_pins_ -= static_cast<int>(pinned.size());
+    unpinned_cv_.notify_all();
+  }
+  return run;
+}
+
+UpdateStats Pool::update_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return updater_ ? updater_->stats() : closed_update_stats_;
+}
+
 Status Pool::Close(int64_t timeout_ns) {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) {
@@ -754,6 +971,7 @@ Status Pool::Close(int64_t timeout_ns) {
   if (getpid() != owner_pid_) {
     // A forked child's copy (see owner_pid_): leaked on purpose.
     (void)engine_.release();
+    (void)updater_.release();
     for (Tier& tier : tiers_) {
       for (TierArena& arena : tier.arenas) (void)arena.arena.release();
       tier.arenas.clear();
@@ -766,8 +984,18 @@ Status Pool::Close(int64_t timeout_ns) {
   // Taken under the lock (DrainRecords and Transfer read engine_), destroyed
   // outside it: its workers' completions take the lock to unpin.
   std::unique_ptr<CopyEngine> engine = std::move(engine_);
+  std::unique_ptr<HostUpdater> updater = std::move(updater_);
+  updates_.clear();
   lock.unlock();
   engine.reset();  // joins the workers; queued transfers fail as kClosed
+  // Likewise: queued runs fail as kClosed, one past the timeout stops
+  // after its blocks under way; none touches the arenas after this.
+  if (updater) {
+    const UpdateStats final_stats = updater->stats();
+    updater.reset();
+    std::lock_guard<std::mutex> relock(mu_);
+    closed_update_stats_ = final_stats;
+  }
   std::vector<std::function<void()>> on_close;
   on_close.swap(on_close_);
   for (auto& fn : on_close) fn();

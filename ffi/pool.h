@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,9 +27,11 @@
 #include "allocator.h"
 #include "arena.h"
 #include "copy_engine.h"
+#include "host_update.h"
 #include "link_model.h"
 #include "page_locks.h"
 #include "status.h"
+#include "update_program.h"
 
 namespace jcxl {
 
@@ -53,6 +56,9 @@ struct PoolConfig {
   int copy_threads = 2;
   uint64_t chunk_bytes = 4ull << 20;
   std::vector<int> copy_cpus;   // CPUs for the copy workers (empty: any)
+  // Update workers (host_update.h): 0: one per CPU the process may use, at
+  // most kMaxDefaultUpdateThreads; started at the first update run.
+  int update_threads = 0;
   HybridOptions allocator;
 };
 
@@ -166,6 +172,22 @@ class Pool {
   // CopyEngine::InjectFault), to check that every waiter gets an error.
   Status InjectFault(const FaultSpec& spec);
   uint64_t faults_injected();
+
+  // Update programs (update_program.h), run on the pool's own objects in
+  // place by its update workers (host_update.h). RegisterUpdate checks the
+  // program and that every object it reads or writes is in this pool and
+  // holds exactly num_elements float32 or bfloat16 elements; it returns
+  // the program's id.
+  StatusOr<int32_t> RegisterUpdate(UpdateProgram program);
+  Status ReleaseUpdate(int32_t id);
+  // Starts a run of program `id` with `scalars` (num_scalars of them).
+  // Its objects stay pinned, as during a transfer (Free and Compact wait),
+  // until it is done; an object freed since the program was registered
+  // fails the start (kNotFound, naming it). Runs go in the order started.
+  StatusOr<std::shared_ptr<UpdateRun>> StartUpdate(int32_t id,
+                                                   std::vector<float> scalars);
+  UpdateStats update_stats();
+
   Status Close(int64_t timeout_ns);
   bool closed();
   const PoolConfig& config() const { return config_; }
@@ -228,6 +250,11 @@ class Pool {
   // flight (it never waits); caller holds mu_.
   void CompactIfFragmented(Tier& tier, size_t a);
   ObjectInfo InfoOf(int32_t handle, const Object& object);
+  // Where an update program's `role` ("input 2") object is, after checking
+  // it holds `elements` float32 or bfloat16 elements; caller holds mu_.
+  StatusOr<UpdateTarget> UpdateTargetOf(int32_t handle,
+                                        const std::string& role,
+                                        int64_t elements);
 
   PoolConfig config_;
   int32_t id_ = 0;
@@ -248,6 +275,11 @@ class Pool {
   // Live objects by handle index (node-based: an Object never moves).
   std::unordered_map<uint32_t, Object> objects_;
   std::unique_ptr<CopyEngine> engine_;
+  // Update programs by id; a run holds its own reference.
+  std::map<int32_t, std::shared_ptr<const UpdateProgram>> updates_;
+  int32_t next_update_id_ = 1;
+  std::unique_ptr<HostUpdater> updater_;
+  UpdateStats closed_update_stats_;  // what updater_ counted, once closed
   std::vector<std::function<void()>> on_close_;
   PageLocks page_locks_;
 };

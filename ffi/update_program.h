@@ -44,7 +44,10 @@ enum class UpdateOp : int32_t {
   kRsqrt = 10,   // 1 / sqrt(a)
   kSquare = 11,  // a * a
   kIntPow = 12,  // a ** imm (imm an integer, may be negative), by squaring
-                 // as XLA does
+                 // as XLA does (as jax lowers lax.integer_pow: x*x for 2,
+                 // 1/(x**|n|) for n < 0, 1 for 0); with dtype kBF16 every
+                 // product is rounded, as each of those multiplies is a
+                 // bfloat16 op
   kSelect = 13,  // a ? c : b   (lax.select_n(a, b, c): a is the predicate)
   kClamp = 14,   // min(max(b, a), c)   (lax.clamp(a=lo, b=x, c=hi))
   kEq = 15, kNe = 16, kLt = 17, kLe = 18, kGt = 19, kGe = 20,  // -> bool
@@ -85,12 +88,28 @@ struct UpdateProgram {
   std::vector<UpdateInput> inputs;
   std::vector<UpdateInstr> code;
   std::vector<UpdateOutput> outputs;
+  // Subnormal operands read as zero and subnormal results become zero
+  // (x86 DAZ + FTZ), as XLA:CPU computes (its threads run so). Off: IEEE
+  // subnormals, as numpy and XLA:GPU (without --xla_gpu_ftz) compute.
+  // Conversions (bf16 <-> f32, loads, stores) never flush.
+  bool flush_denormals = false;
 };
+
+// The most registers (inputs plus instructions) a program may have.
+constexpr int64_t kMaxUpdateRegisters = int64_t{1} << 14;
 
 // Checks a program's structure: operands name earlier registers, ops and
 // dtypes are known, outputs are vector registers, scalar indices lie in
 // [0, num_scalars). Object handles are checked by the pool.
 Status ValidateUpdateProgram(const UpdateProgram& program);
+
+// Per input register: whether running the program reads it (an input that
+// no live instruction or output uses is never read). `program` must be
+// valid.
+std::vector<bool> UpdateInputsRead(const UpdateProgram& program);
+
+// The name of an op as the JAX primitive's ("add", "integer_pow", ...).
+const char* UpdateOpName(UpdateOp op);
 
 // One array a run reads or writes, resolved by the pool to memory.
 struct UpdateArray {
@@ -101,7 +120,8 @@ struct UpdateArray {
 // Runs `program` on elements [begin, end) of its arrays: `in` per input
 // register (kObject inputs only are read; others ignored), `out` per
 // output. Single-threaded; the caller splits the range over threads.
-// `scalars` holds program.num_scalars floats.
+// `scalars` holds program.num_scalars floats. `program` must be valid
+// (ValidateUpdateProgram); arrays are either the same array or disjoint.
 void RunUpdateRange(const UpdateProgram& program,
                     const std::vector<UpdateArray>& in,
                     const std::vector<UpdateArray>& out, const float* scalars,

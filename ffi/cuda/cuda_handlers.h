@@ -36,6 +36,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaFetchDone);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAfter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaStoreStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaStoreDone);
+// The update handlers' twins (ffi/update_handlers.h), in
+// cuda_update_handlers.cc.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaUpdateStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaUpdateDone);
 
 // Host <-> device bandwidth of plain cudaMemcpyAsync between page-locked
 // host memory (cudaHostAlloc) and device memory, on device `ordinal`: the

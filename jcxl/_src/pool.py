@@ -33,6 +33,7 @@ from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import swap_dir as swap_dir_lib
 from jcxl._src import topology as topology_lib
+from jcxl._src import update_program as update_program_lib
 from jcxl._src import validation
 from jcxl._src.units import format_bandwidth
 from jcxl._src.units import format_bytes
@@ -358,6 +359,71 @@ class Transfer:
     return TransferRecord.from_engine(self._ticket.record())
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateStats:
+  """What a pool's update programs did (see ``Pool.run_update``).
+
+  Attributes:
+    runs: runs finished, failed ones included.
+    failed: of those, the runs that ended with an error.
+    elements: elements of the runs that succeeded.
+    bytes_read: object bytes the programs read (not counted in the tiers'
+      bytes_read: those are what crosses the device link).
+    bytes_written: object bytes the programs wrote.
+    busy_ns: wall time of the runs, summed (start to end of each).
+    threads: update threads started so far (0 before the first run).
+  """
+  runs: int
+  failed: int
+  elements: int
+  bytes_read: int
+  bytes_written: int
+  busy_ns: int
+  threads: int
+
+  @property
+  def bandwidth(self) -> float:
+    """Object bytes read and written per second of run time."""
+    return (self.bytes_read + self.bytes_written) / max(self.busy_ns * 1e-9,
+                                                        1e-12)
+
+
+class UpdateRun:
+  """An update run in flight; ``wait()`` until it is done."""
+
+  def __init__(self, run: Any, timeout_s: float):
+    self._run = run
+    self._timeout_s = timeout_s
+
+  @property
+  def id(self) -> int:
+    return self._run.id
+
+  @property
+  def program_id(self) -> int:
+    return self._run.program_id
+
+  def done(self) -> bool:
+    return self._run.done()
+
+  def wait(self, timeout_s: float | None = None) -> None:
+    """Waits for the run.
+
+    Args:
+      timeout_s: seconds to wait, >= 0 (``math.inf``: no deadline); None:
+        the pool's `timeout_s`. A run that times out keeps running: its
+        objects are not ready until it is done.
+
+    Raises:
+      TransferTimeoutError: the run did not finish within `timeout_s`.
+      TierIOError: an nvme object could not be read or written.
+      PoolClosedError: the pool was closed before the run ended.
+    """
+    timeout_s = (self._timeout_s if timeout_s is None else
+                 _timeout_seconds(timeout_s))
+    self._run.wait(timeout_s)
+
+
 @functools.lru_cache(maxsize=None)
 def _dtype_from_name(name: str) -> np.dtype:
   if hasattr(ml_dtypes, name):
@@ -388,6 +454,8 @@ _TIER_GRANULARITY = 4096
 
 # More copy threads than this is a mistake, not a configuration.
 _MAX_COPY_THREADS = 1024
+# Likewise for update threads.
+_MAX_UPDATE_THREADS = 1024
 
 
 def _as_handle(handle: Any) -> int:
@@ -473,6 +541,10 @@ class Pool:
       (host -> cxl -> nvme) instead of raising ``PoolExhaustedError``.
     copy_threads: copy-engine worker threads.
     chunk_bytes: size of the pieces large copies are split into.
+    update_threads: threads that run update programs (``run_update``) on
+      the pool's objects; 0: one per CPU this process may use, at most 16.
+      They start at the first run, each pinned to one NUMA node's CPUs on
+      a machine of several.
     topology: the machine's NUMA topology (default: discovered from /sys).
     node: NUMA node of the device the pool serves (default: this process's).
     timeout_s: default deadline of each transfer (a jitted step's waits
@@ -492,6 +564,7 @@ class Pool:
                spill: bool = False,
                copy_threads: int = 2,
                chunk_bytes: int | str = "4MiB",
+               update_threads: int = 0,
                topology: topology_lib.Topology | None = None,
                node: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -511,6 +584,9 @@ class Pool:
       raise ValueError("a pool needs at least one tier with a capacity > 0")
     copy_threads = validation.as_count(copy_threads, name="copy_threads",
                                        low=1, high=_MAX_COPY_THREADS)
+    update_threads = validation.as_count(update_threads,
+                                         name="update_threads", low=0,
+                                         high=_MAX_UPDATE_THREADS)
     chunk = parse_bytes(chunk_bytes, name="chunk_bytes")
     if chunk < 4096:
       raise ValueError(f"chunk_bytes must be at least 4096, got {chunk_bytes!r}")
@@ -522,6 +598,8 @@ class Pool:
     keep_nvme_files = validation.as_bool(keep_nvme_files,
                                          name="keep_nvme_files")
     self._frees = 0  # objects freed through `free`; see pool_array.Liveness
+    # Registered update programs by id (for trace-time checks).
+    self._update_programs: dict[int, update_program_lib.Program] = {}
     self.topology = topology or topology_lib.discover()
     if node is None:
       node = topology_lib.node_of_current_process(self.topology)
@@ -534,6 +612,7 @@ class Pool:
     config = _jcxl.PoolConfig()
     config.spill = spill
     config.copy_threads = copy_threads
+    config.update_threads = update_threads
     config.chunk_bytes = chunk
     config.copy_cpus = list(self.topology.node(
         self.topology.nearest_memory_node(node)).cpus or
@@ -790,6 +869,71 @@ class Pool:
   def compact(self) -> None:
     """Moves objects so that no holes remain; handles stay valid."""
     self._pool.compact(self._timeout_s)
+
+  # ------------------------------------------------------------ updates
+
+  def register_update(self, program: update_program_lib.Program) -> int:
+    """Registers an update program on this pool's objects; returns its id.
+
+    Raises:
+      TypeError: `program` is not an update_program.Program, or a field of
+        it is not an int.
+      ValueError: the program is malformed (an operand that names no
+        earlier register, a scalar index past num_scalars, a scalar
+        output...), or an object it reads or writes does not hold exactly
+        `num_elements` float32 or bfloat16 elements.
+      UnknownHandleError: a handle is not this pool's (or was freed).
+    """
+    if not isinstance(program, update_program_lib.Program):
+      raise TypeError(f"register_update takes a jcxl update Program, got "
+                      f"{type(program).__name__}")
+    program_id = self._pool.register_update(program.to_native())
+    self._update_programs[program_id] = program
+    return program_id
+
+  def release_update(self, program_id: int) -> None:
+    """Forgets a program; runs of it in flight finish."""
+    program_id = _as_handle(program_id)
+    self._pool.release_update(program_id)
+    self._update_programs.pop(program_id, None)
+
+  def update_program(self, program_id: int) -> update_program_lib.Program:
+    """The registered program `program_id` (UnknownHandleError if none)."""
+    program = self._update_programs.get(program_id)
+    if program is None or self.closed:
+      raise errors.UnknownHandleError(
+          f"update program {program_id} is unknown to pool {self.id} "
+          f"(released, or never registered)")
+    return program
+
+  def run_update(self, program_id: int, scalars: Any = ()) -> UpdateRun:
+    """Starts a run of program `program_id`; ``wait()`` on the result.
+
+    Runs go one at a time, in the order started, over the pool's update
+    threads. The program's objects are pinned until the run is done
+    (``free`` and ``compact`` wait for it).
+
+    Args:
+      program_id: what ``register_update`` returned.
+      scalars: the run's `num_scalars` floats (learning rate, bias
+        corrections...), as float32.
+
+    Raises:
+      ValueError: `scalars` does not hold the program's num_scalars values.
+      UnknownHandleError: the program is unknown, or an object of it was
+        freed since it was registered (the message names it).
+    """
+    values = np.asarray(scalars, dtype=np.float32).reshape(-1)
+    run = self._pool.start_update(_as_handle(program_id),
+                                  [float(v) for v in values])
+    return UpdateRun(run, self._timeout_s)
+
+  def update_stats(self) -> UpdateStats:
+    raw = self._pool.update_stats()
+    return UpdateStats(runs=raw.runs, failed=raw.failed,
+                       elements=raw.elements, bytes_read=raw.bytes_read,
+                       bytes_written=raw.bytes_written, busy_ns=raw.busy_ns,
+                       threads=raw.threads)
 
   # -------------------------------------------------------------- state
 
