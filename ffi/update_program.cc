@@ -94,6 +94,14 @@ JCXL_INLINE float MinOf(float a, float b) {
   return a != a ? a : r;
 }
 
+// A subnormal as the +-0 it reads as under DAZ: max, min, sign and clamp
+// pick an operand, and with flush_denormals XLA:CPU's (the hardware's)
+// pick a flushed one.
+JCXL_INLINE float Daz(float x) {
+  const uint32_t u = BitsOf(x);
+  return FloatOf((u & 0x7f800000u) == 0 ? u & 0x80000000u : u);
+}
+
 // +-0 and NaN are their own sign.
 JCXL_INLINE float SignOf(float a) {
   const float r = a < 0.0f ? -1.0f : a;
@@ -178,10 +186,13 @@ JCXL_INLINE void IntPow(const float* a, float* __restrict r,
 }
 
 // r = instr(a, b, c) over n lanes (unused operands may be null; a binary
-// op's `scalar` operand is one float); `scratch` holds n floats.
+// op's `scalar` operand is one float); `scratch` holds n floats. `flush`:
+// the program flushes subnormals (the arithmetic does so in hardware; the
+// ops that pick an operand here).
 JCXL_INLINE void Apply(const UpdateInstr& instr, const float* a,
                        const float* b, const float* c, float* __restrict r,
-                       float* __restrict scratch, int n, Broadcast scalar) {
+                       float* __restrict scratch, int n, Broadcast scalar,
+                       bool flush) {
   using Op = UpdateOp;
   switch (instr.op) {
     case Op::kAdd:
@@ -197,10 +208,20 @@ JCXL_INLINE void Apply(const UpdateInstr& instr, const float* a,
       Map2(a, b, r, n, scalar, [](float x, float y) { return x / y; });
       break;
     case Op::kMax:
-      Map2(a, b, r, n, scalar, [](float x, float y) { return MaxOf(x, y); });
+      if (flush) {
+        Map2(a, b, r, n, scalar,
+             [](float x, float y) { return MaxOf(Daz(x), Daz(y)); });
+      } else {
+        Map2(a, b, r, n, scalar, [](float x, float y) { return MaxOf(x, y); });
+      }
       break;
     case Op::kMin:
-      Map2(a, b, r, n, scalar, [](float x, float y) { return MinOf(x, y); });
+      if (flush) {
+        Map2(a, b, r, n, scalar,
+             [](float x, float y) { return MinOf(Daz(x), Daz(y)); });
+      } else {
+        Map2(a, b, r, n, scalar, [](float x, float y) { return MinOf(x, y); });
+      }
       break;
     case Op::kNeg:
       Map1(a, r, n, [](float x) { return -x; });
@@ -209,7 +230,11 @@ JCXL_INLINE void Apply(const UpdateInstr& instr, const float* a,
       Map1(a, r, n, [](float x) { return std::fabs(x); });
       break;
     case Op::kSign:
-      Map1(a, r, n, [](float x) { return SignOf(x); });
+      if (flush) {
+        Map1(a, r, n, [](float x) { return SignOf(Daz(x)); });
+      } else {
+        Map1(a, r, n, [](float x) { return SignOf(x); });
+      }
       break;
     case Op::kSqrt:
       Map1(a, r, n, [](float x) { return std::sqrt(x); });
@@ -228,9 +253,15 @@ JCXL_INLINE void Apply(const UpdateInstr& instr, const float* a,
            [](float p, float f, float t) { return p != 0.0f ? t : f; });
       break;
     case Op::kClamp:
-      Map3(a, b, c, r, n, [](float lo, float x, float hi) {
-        return MinOf(MaxOf(x, lo), hi);
-      });
+      if (flush) {
+        Map3(a, b, c, r, n, [](float lo, float x, float hi) {
+          return MinOf(MaxOf(Daz(x), Daz(lo)), Daz(hi));
+        });
+      } else {
+        Map3(a, b, c, r, n, [](float lo, float x, float hi) {
+          return MinOf(MaxOf(x, lo), hi);
+        });
+      }
       break;
     case Op::kEq:
       Map2(a, b, r, n, scalar, [](float x, float y) { return Bool(x == y); });
@@ -438,7 +469,7 @@ Plan::Plan(const UpdateProgram& p, const std::vector<UpdateArray>& in,
     const int arity = ArityOf(instr.op);
     Apply(instr, &value[instr.a], arity > 1 ? &value[instr.b] : nullptr,
           arity > 2 ? &value[instr.c] : nullptr, &value[r], &unused, 1,
-          kNone);
+          kNone, p.flush_denormals);
   }
   // An f32 input is read in place unless an output copies it, unchanged,
   // into another array while some output overwrites it: outputs are
@@ -728,7 +759,7 @@ JCXL_INLINE void RunChunksInline(const UpdateProgram& program,
       float* result = chunk_of(plan.slot[r]);
       Apply(instr, reg[instr.a], arity > 1 ? reg[instr.b] : nullptr,
             arity > 2 ? reg[instr.c] : nullptr, result, scratch, n,
-            plan.which[i]);
+            plan.which[i], program.flush_denormals);
       reg[r] = result;
     }
     for (size_t o = 0; o < program.outputs.size(); ++o) {

@@ -599,6 +599,28 @@ TEST(FlushDenormalsFlushesOperandsAndResultsOnly) {
   // The thread's own state is put back.
   volatile float v = tiny;
   CHECK_EQ(Bits(v * 1.0f), Bits(tiny));
+  // The ops that pick an operand pick the +-0 a subnormal reads as (as
+  // XLA:CPU's do under its DAZ), but only when flushing.
+  struct Case {
+    Op op;
+    float a, b, flushed, kept;
+  } cases[] = {
+      {Op::kMax, -1.0f, tiny, 0.0f, tiny},
+      {Op::kMin, 0.0f, -tiny, -0.0f, -tiny},
+      {Op::kMin, -0.0f, tiny, -0.0f, -0.0f},
+      {Op::kSign, -tiny, 0, -0.0f, -1.0f},
+  };
+  for (const Case& c : cases) {
+    for (bool flush : {false, true}) {
+      std::vector<float> a(1, c.a), b(1, c.b), out(1);
+      UpdateProgram one = OneOp(c.op, DT::kF32, 0, 1);
+      one.flush_denormals = flush;
+      std::vector<UpdateArray> ins = F32Arrays({&a, &b});
+      ins.resize(one.inputs.size());
+      RunUpdateRange(one, ins, F32Arrays({&out}), nullptr, 0, 1);
+      CHECK_EQ(Bits(out[0]), Bits(flush ? c.flushed : c.kept));
+    }
+  }
 }
 
 Status Validate(const UpdateProgram& p) { return ValidateUpdateProgram(p); }
