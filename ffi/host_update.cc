@@ -70,6 +70,11 @@ bool UpdateRun::done() {
   return done_;
 }
 
+int UpdateRun::workers() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return workers_;
+}
+
 struct HostUpdater::Run {
   std::shared_ptr<UpdateRun> handle;  // what the waiters hold
   UpdateJob job;
@@ -93,6 +98,7 @@ struct HostUpdater::Run {
   int in_progress = 0;
   bool failed = false;  // no block is taken any more
   bool completed = false;
+  std::vector<const Worker*> ran;  // the workers that ran its blocks
   Status status;
   int64_t started_ns = 0;
 };
@@ -280,7 +286,7 @@ void HostUpdater::WorkerLoop(Worker* worker) {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
         return stopping_ ||
-               (active_ && !active_->failed &&
+               (!held_ && active_ && !active_->failed &&
                 active_->next_block < active_->blocks &&
                 Eligible(*active_, *worker));
       });
@@ -288,6 +294,10 @@ void HostUpdater::WorkerLoop(Worker* worker) {
       run = active_;
       block = run->next_block++;
       ++run->in_progress;
+      if (std::find(run->ran.begin(), run->ran.end(), worker) ==
+          run->ran.end()) {
+        run->ran.push_back(worker);
+      }
     }
     Status status = RunBlock(*run, block, *worker);
     std::shared_ptr<Run> finished;
@@ -387,9 +397,12 @@ Status HostUpdater::RunBlock(Run& run, int64_t block, Worker& worker) {
 
 void HostUpdater::Complete(const std::shared_ptr<Run>& run) {
   const int64_t now = NowNs();
-  const Status status = run->status;
+  Status status;
+  int workers;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    status = run->status;
+    workers = static_cast<int>(run->ran.size());
     ++stats_.runs;
     if (status.ok()) {
       stats_.elements += static_cast<uint64_t>(run->elements);
@@ -405,9 +418,18 @@ void HostUpdater::Complete(const std::shared_ptr<Run>& run) {
   {
     std::lock_guard<std::mutex> lock(handle.mu_);
     handle.done_ = true;
+    handle.workers_ = workers;
     handle.status_ = status;
   }
   handle.cv_.notify_all();
+}
+
+void HostUpdater::Hold(bool hold) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = hold;
+  }
+  cv_.notify_all();
 }
 
 UpdateStats HostUpdater::stats() {

@@ -61,6 +61,8 @@ class UpdateRun {
   bool done();
   uint64_t id() const { return id_; }
   int32_t program_id() const { return program_id_; }
+  // How many workers ran blocks of it (once done).
+  int workers();
 
  private:
   friend class HostUpdater;
@@ -70,6 +72,7 @@ class UpdateRun {
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  int workers_ = 0;
   Status status_;
 };
 
@@ -110,6 +113,8 @@ class HostUpdater {
   UpdateStats stats();
   // The workers a first run starts (resolved from the constructor's).
   int threads() const { return threads_; }
+  // A test hook: while held, workers take no new block (runs queue up).
+  void Hold(bool hold);
 
  private:
   struct Run;
@@ -130,6 +135,7 @@ class HostUpdater {
   std::shared_ptr<Run> active_;
   bool started_ = false;
   bool stopping_ = false;
+  bool held_ = false;
   std::vector<std::unique_ptr<Worker>> workers_;
   UpdateStats stats_;
 };

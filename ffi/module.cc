@@ -563,6 +563,10 @@ NB_MODULE(_jcxl, m) {
            },
            nb::arg("program_id"), nb::arg("scalars"))
       .def("update_stats", &Pool::update_stats)
+      .def("hold_updates",
+           [](Pool& p, bool hold) { ThrowIfError(p.HoldUpdates(hold)); },
+           nb::arg("hold"),
+           "Test hook: while held, update workers take no new block.")
       .def("close", [](Pool& p, double timeout_s) {
         const int64_t timeout_ns = SecondsToNs(timeout_s);
         Status status;

@@ -956,6 +956,15 @@ StatusOr<std::shared_ptr<UpdateRun>> Pool::StartUpdate(
   return run;
 }
 
+Status Pool::HoldUpdates(bool hold) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!updater_) {
+    return Status(Code::kClosed, "pool " + std::to_string(id_) + " is closed");
+  }
+  updater_->Hold(hold);
+  return Status::Ok();
+}
+
 UpdateStats Pool::update_stats() {
   std::lock_guard<std::mutex> lock(mu_);
   return updater_ ? updater_->stats() : closed_update_stats_;

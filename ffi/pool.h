@@ -187,6 +187,9 @@ class Pool {
   StatusOr<std::shared_ptr<UpdateRun>> StartUpdate(int32_t id,
                                                    std::vector<float> scalars);
   UpdateStats update_stats();
+  // A test hook: while held, update workers take no new block of a run (so
+  // that a test can see Free, Compact and Close wait for runs).
+  Status HoldUpdates(bool hold);
 
   Status Close(int64_t timeout_ns);
   bool closed();

@@ -928,6 +928,12 @@ class Pool:
                                   [float(v) for v in values])
     return UpdateRun(run, self._timeout_s)
 
+  def _hold_updates(self, hold: bool) -> None:
+    """Test hook: while held, update runs wait (they queue up), so that a
+    test can see what waits for them (``free``, ``close``, a step's
+    ``update_done`` timing out)."""
+    self._pool.hold_updates(bool(hold))
+
   def update_stats(self) -> UpdateStats:
     raw = self._pool.update_stats()
     return UpdateStats(runs=raw.runs, failed=raw.failed,

@@ -395,6 +395,85 @@ def store(x: PoolArray, value: jax.Array, index: Any = None, *,
                                 priority=priority, chunk_bytes=chunk_bytes))
 
 
+def _update_start_call(scalars, after, *, pool_id, program):
+  return jax.ffi.ffi_call(
+      "jcxl_update_start", jax.ShapeDtypeStruct((2,), jnp.int32),
+      has_side_effect=True)(scalars, after, pool_id=np.int32(pool_id),
+                            program=np.int32(program))
+
+
+def _update_done_call(token, after, *, timeout_ms):
+  return jax.ffi.ffi_call(
+      "jcxl_update_done", jax.ShapeDtypeStruct((1,), jnp.int32),
+      has_side_effect=True)(token, after, timeout_ms=timeout_ms)
+
+
+def update_start(pool_id: int, program_id: int, scalars: Any, after: Any = None
+                 ) -> jax.Array:
+  """Starts a run of update program `program_id` inside a jitted step.
+
+  The run (see ``Pool.run_update``) goes on the pool's update threads while
+  the step carries on; ``update_done`` waits for it. Call it once per step
+  on one device (not replicated over a mesh: every replica would start a
+  run).
+
+  Args:
+    pool_id: the pool's id (``Pool.id``).
+    program_id: what ``Pool.register_update`` returned.
+    scalars: the run's float32[num_scalars] values (learning rate, bias
+      corrections...), traced.
+    after: a value (or pytree) that must exist before the run starts: the
+      stores of the objects the program reads (the gradients).
+
+  Returns:
+    An int32[2] token naming the run, for ``update_done``.
+
+  Raises:
+    PoolClosedError: the pool is closed.
+    UnknownHandleError: the program is not registered in the pool.
+    ValueError: `scalars` is not a vector of num_scalars floats.
+  """
+  registry.register_ffi_targets()
+  pool = registry.find_pool(pool_id, what=f"update program {program_id}")
+  program = pool.update_program(program_id)
+  scalars = jnp.asarray(scalars)
+  if scalars.ndim != 1 or not jnp.issubdtype(scalars.dtype, jnp.floating):
+    raise ValueError(f"update program {program_id}: scalars must be a "
+                     f"float vector, got {scalars.dtype}{list(scalars.shape)}")
+  if scalars.shape[0] != program.num_scalars:
+    raise ValueError(f"update program {program_id} takes "
+                     f"{program.num_scalars} scalars per run, got "
+                     f"{scalars.shape[0]}")
+  return _update_start_call(scalars.astype(jnp.float32), _dependency(after),
+                            pool_id=pool_id, program=program_id)
+
+
+def update_done(token: jax.Array, after: Any = None,
+                timeout_ms: int | None = None, *, pool_id: int | None = None
+                ) -> jax.Array:
+  """Waits for the update run `token` names; returns an int32[1] zero.
+
+  Args:
+    token: ``update_start``'s result.
+    after: a value to wait for first (compute the run should overlap).
+    timeout_ms: how long the run may take: past it the step fails
+      (DEADLINE_EXCEEDED, naming the program; the run itself goes on).
+      None: the timeout of pool `pool_id`, or without one the default
+      pool timeout (``DEFAULT_TIMEOUT_S``).
+    pool_id: the run's pool, for its timeout.
+  """
+  if timeout_ms is None:
+    if pool_id is not None:
+      timeout_ms = _timeout_ms(registry.find_pool(pool_id))
+    else:
+      from jcxl._src import pool as pool_lib  # pylint: disable=g-import-not-at-top
+      timeout_ms = validation.timeout_ms(pool_lib.DEFAULT_TIMEOUT_S)
+  timeout_ms = np.int64(validation.as_count(timeout_ms, name="timeout_ms",
+                                            high=2**63 - 1))
+  registry.register_ffi_targets()
+  return _update_done_call(token, _dependency(after), timeout_ms=timeout_ms)
+
+
 def _tree_fetch_start(weights, index, after, priority, chunk_bytes=0):
   return jax.tree_util.tree_map(
       lambda w: fetch_start(w, index, after=after, priority=priority,

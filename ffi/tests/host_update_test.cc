@@ -1,0 +1,509 @@
+// Tests of update programs run by the pool: register, run and wait; runs
+// split over the workers and kept in order; objects pinned against Free,
+// Compact and Close; nvme objects through staging; the errors of
+// registering and starting; several threads at once (run under
+// ThreadSanitizer too).
+#include "host_update.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "numa.h"
+#include "pool.h"
+#include "pool_fixtures.h"
+#include "test_util.h"
+#include "update_program.h"
+
+namespace jcxl {
+namespace {
+
+using Kind = UpdateInput::Kind;
+using Op = UpdateOp;
+
+PoolConfig Tiers(const std::string& nvme_dir, int update_threads = 2) {
+  PoolConfig config;
+  config.tiers[0].capacity = 64 * kMiB;
+  config.tiers[0].nodes = {0};
+  config.tiers[1].capacity = 64 * kMiB;
+  config.tiers[1].emulated = true;
+  config.tiers[1].link_bytes_per_second = 16e9;
+  if (!nvme_dir.empty()) {
+    config.tiers[2].capacity = 128 * kMiB;
+    config.nvme_dir = nvme_dir;
+  }
+  config.update_threads = update_threads;
+  return config;
+}
+
+int32_t Put(Pool& pool, TierKind tier, const std::vector<float>& values) {
+  const int64_t n = static_cast<int64_t>(values.size());
+  StatusOr<int32_t> handle =
+      pool.Allocate(tier, n * 4, {n}, "float32");
+  CHECK_OK(handle);
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool.Write(*handle, values.data(), n * 4, 0, 0, 0);
+  CHECK_OK(ticket);
+  CHECK_OK((*ticket)->Wait(kLongWaitNs));
+  return *handle;
+}
+
+std::vector<float> Get(Pool& pool, int32_t handle, int64_t n) {
+  std::vector<float> out(n);
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool.Read(handle, out.data(), n * 4, 0, 0, 0);
+  CHECK_OK(ticket);
+  CHECK_OK((*ticket)->Wait(kLongWaitNs));
+  return out;
+}
+
+std::vector<float> Iota(int64_t n, float scale = 1.0f) {
+  std::vector<float> v(n);
+  for (int64_t k = 0; k < n; ++k) v[k] = scale * static_cast<float>(k % 9973);
+  return v;
+}
+
+// x <- x * s0 + c.
+UpdateProgram Affine(int64_t n, int32_t x, float c) {
+  UpdateProgram p;
+  p.num_elements = n;
+  p.num_scalars = 1;
+  p.inputs = {{Kind::kObject, x}, {Kind::kScalar, 0, 0},
+              {Kind::kConstant, 0, 0, c}};
+  p.code = {{Op::kMul, 0, 1}, {Op::kAdd, 3, 2}};
+  p.outputs = {{4, x}};
+  return p;
+}
+
+// The adam program of update_program_test.cc, in short: p, mu, nu updated
+// from g with scalars lr, bc1, bc2.
+UpdateProgram Adam(int64_t n, int32_t p, int32_t mu, int32_t nu, int32_t g) {
+  UpdateProgram prog;
+  prog.num_elements = n;
+  prog.num_scalars = 3;
+  prog.inputs = {{Kind::kObject, p},     {Kind::kObject, mu},
+                 {Kind::kObject, nu},    {Kind::kObject, g},
+                 {Kind::kScalar, 0, 0},  {Kind::kScalar, 0, 1},
+                 {Kind::kScalar, 0, 2},  {Kind::kConstant, 0, 0, 0.9f},
+                 {Kind::kConstant, 0, 0, 0.1f}, {Kind::kConstant, 0, 0, 0.999f},
+                 {Kind::kConstant, 0, 0, 0.001f}, {Kind::kConstant, 0, 0, 1e-8f}};
+  prog.code = {{Op::kMul, 7, 1},   {Op::kMul, 8, 3},   {Op::kAdd, 12, 13},
+               {Op::kMul, 9, 2},   {Op::kMul, 3, 3},   {Op::kMul, 10, 16},
+               {Op::kAdd, 15, 17}, {Op::kDiv, 14, 5},  {Op::kDiv, 18, 6},
+               {Op::kSqrt, 20},    {Op::kAdd, 21, 11}, {Op::kDiv, 19, 22},
+               {Op::kMul, 4, 23},  {Op::kSub, 0, 24}};
+  prog.outputs = {{25, p}, {14, mu}, {18, nu}};
+  return prog;
+}
+
+void AdamReference(std::vector<float>& p, std::vector<float>& mu,
+                   std::vector<float>& nu, const std::vector<float>& g,
+                   float lr, float bc1, float bc2) {
+  for (size_t k = 0; k < p.size(); ++k) {
+    mu[k] = 0.9f * mu[k] + 0.1f * g[k];
+    nu[k] = 0.999f * nu[k] + 0.001f * (g[k] * g[k]);
+    p[k] = p[k] - lr * ((mu[k] / bc1) / (std::sqrt(nu[k] / bc2) + 1e-8f));
+  }
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+TEST(RegisterRunAndWait) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers(""));
+  const int64_t n = 300'001;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> p(n), mu(n), nu(n), g(n);
+  for (int64_t k = 0; k < n; ++k) {
+    p[k] = normal(rng);
+    mu[k] = normal(rng);
+    nu[k] = std::fabs(normal(rng));
+    g[k] = normal(rng);
+  }
+  // Spread over both memory tiers: the cxl one is behind a link model,
+  // which update programs do not go through.
+  const int32_t hp = Put(*pool, TierKind::kHost, p);
+  const int32_t hmu = Put(*pool, TierKind::kCxl, mu);
+  const int32_t hnu = Put(*pool, TierKind::kCxl, nu);
+  const int32_t hg = Put(*pool, TierKind::kHost, g);
+  const std::vector<TierStats> tiers_before = pool->Stats();
+  CHECK_EQ(pool->update_stats().threads, 0);  // none until the first run
+  StatusOr<int32_t> id = pool->RegisterUpdate(Adam(n, hp, hmu, hnu, hg));
+  CHECK_OK(id);
+  for (int step = 1; step <= 2; ++step) {
+    const float lr = 1e-3f, bc1 = 1 - std::pow(0.9f, step),
+                bc2 = 1 - std::pow(0.999f, step);
+    StatusOr<std::shared_ptr<UpdateRun>> run =
+        pool->StartUpdate(*id, {lr, bc1, bc2});
+    CHECK_OK(run);
+    CHECK_OK((*run)->Wait(kLongWaitNs));
+    CHECK((*run)->done());
+    CHECK_EQ((*run)->program_id(), *id);
+    AdamReference(p, mu, nu, g, lr, bc1, bc2);
+  }
+  CHECK(SameBits(Get(*pool, hp, n), p));
+  CHECK(SameBits(Get(*pool, hmu, n), mu));
+  CHECK(SameBits(Get(*pool, hnu, n), nu));
+  UpdateStats stats = pool->update_stats();
+  CHECK_EQ(stats.runs, 2u);
+  CHECK_EQ(stats.failed, 0u);
+  CHECK_EQ(stats.elements, 2u * n);
+  CHECK_EQ(stats.bytes_read, 2u * n * 16);
+  CHECK_EQ(stats.bytes_written, 2u * n * 12);
+  CHECK_GT(stats.busy_ns, 0);
+  CHECK_EQ(stats.threads, 2);
+  // The tiers' link counters count only the Puts and Gets, not the runs.
+  const std::vector<TierStats> tiers_after = pool->Stats();
+  CHECK_EQ(tiers_after[1].bytes_read - tiers_before[1].bytes_read,
+           uint64_t(2 * n * 4));  // the two Gets of mu, nu
+  CHECK_EQ(tiers_after[1].bytes_written, tiers_before[1].bytes_written);
+  CHECK_OK(pool->ReleaseUpdate(*id));
+  CHECK_CODE(pool->StartUpdate(*id, {1, 1, 1}), Code::kNotFound);
+  CHECK_CODE(pool->ReleaseUpdate(*id), Code::kNotFound);
+}
+
+TEST(RunsAreSplitOverTheWorkersAndKeepTheirOrder) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers("", 4));
+  const int64_t n = 2'000'000;  // about 30 blocks of 64 Ki elements
+  std::vector<float> x = Iota(n, 0.5f);
+  const int32_t h = Put(*pool, TierKind::kHost, x);
+  StatusOr<int32_t> doubled = pool->RegisterUpdate(Affine(n, h, 0.0f));
+  StatusOr<int32_t> plus_one = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  CHECK_OK(doubled);
+  CHECK_OK(plus_one);
+  // Queued back to back (held, so that they are all queued before any
+  // runs): each must see all of the one before it.
+  CHECK_OK(pool->HoldUpdates(true));
+  std::vector<std::shared_ptr<UpdateRun>> runs;
+  for (int i = 0; i < 6; ++i) {
+    StatusOr<std::shared_ptr<UpdateRun>> run =
+        pool->StartUpdate(i % 2 == 0 ? *doubled : *plus_one, {2.0f});
+    CHECK_OK(run);
+    runs.push_back(*run);
+  }
+  CHECK(!runs[0]->done());
+  CHECK_OK(pool->HoldUpdates(false));
+  for (auto& run : runs) CHECK_OK(run->Wait(kLongWaitNs));
+  std::vector<float> want = x;
+  for (float& v : want) {
+    for (int i = 0; i < 3; ++i) v = (v * 2.0f) * 2.0f + 1.0f;
+  }
+  CHECK(SameBits(Get(*pool, h, n), want));
+  // The first run was waiting for workers held back: every worker was free
+  // to take its blocks. (The machine's other load may keep some away.)
+  int most = 0;
+  for (auto& run : runs) most = std::max(most, run->workers());
+  CHECK_GT(most, 1);
+  CHECK_EQ(pool->update_stats().threads, 4);
+}
+
+TEST(PinnedObjectsMakeFreeAndCompactWait) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers(""));
+  const int64_t n = 10'000;
+  const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
+  const int32_t other = Put(*pool, TierKind::kHost, Iota(n));
+  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  CHECK_OK(id);
+  CHECK_OK(pool->HoldUpdates(true));
+  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {3.0f});
+  CHECK_OK(run);
+  Status freed = pool->Free(h, 20 * kMs);
+  CHECK_CODE(freed, Code::kTimeout);
+  CHECK_CONTAINS(freed.message(), "handle " + std::to_string(h));
+  CHECK_CODE(pool->Compact(20 * kMs), Code::kTimeout);
+  CHECK_OK(pool->Free(other, kLongWaitNs));  // not the program's: free now
+  // Free waits for the run, which then finishes first.
+  std::thread release([&] {
+    usleep(20'000);
+    pool->HoldUpdates(false);
+  });
+  CHECK_OK(pool->Free(h, kLongWaitNs));
+  CHECK_OK((*run)->Wait(kLongWaitNs));  // it ran before the free
+  release.join();
+  // Its object gone, the program's next start fails, naming it.
+  Status started = pool->StartUpdate(*id, {3.0f}).status();
+  CHECK_CODE(started, Code::kNotFound);
+  CHECK_CONTAINS(started.message(), "handle " + std::to_string(h));
+  CHECK_CONTAINS(started.message(),
+                 "update program " + std::to_string(*id) + ": input 0");
+}
+
+TEST(RegisterAndStartRefuseWhatTheyCannotRun) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(Tiers(dir.path()));
+  const int64_t n = 1000;
+  const int32_t f32 = Put(*pool, TierKind::kHost, Iota(n));
+  StatusOr<int32_t> ints = pool->Allocate(TierKind::kHost, n * 4, {n},
+                                          "int32");
+  StatusOr<int32_t> longer = pool->Allocate(TierKind::kCxl, (n + 1) * 4,
+                                            {n + 1}, "float32");
+  StatusOr<int32_t> lying = pool->Allocate(TierKind::kHost, n * 2, {n},
+                                           "float32");  // shape vs bytes
+  CHECK_OK(ints);
+  CHECK_OK(longer);
+  CHECK_OK(lying);
+  struct Case {
+    int32_t handle;
+    Code code;
+    std::string want;
+  } cases[] = {
+      {*ints, Code::kInvalidArgument,
+       "holds int32; update programs read and write float32 or bfloat16"},
+      {*longer, Code::kInvalidArgument,
+       "holds 1001 elements, but the program is for num_elements = 1000"},
+      {*lying, Code::kInvalidArgument, "holds 2000 bytes, not the 4000"},
+      {12345, Code::kNotFound, "handle 12345 is unknown to pool"},
+  };
+  for (const Case& c : cases) {
+    // As an input, and as an output.
+    UpdateProgram in = Affine(n, f32, 1.0f);
+    in.inputs.push_back({Kind::kObject, c.handle});
+    UpdateProgram out = Affine(n, f32, 1.0f);
+    out.outputs.push_back({0, c.handle});
+    for (int as_output = 0; as_output < 2; ++as_output) {
+      Status status = pool->RegisterUpdate(as_output ? out : in).status();
+      CHECK_CODE(status, c.code);
+      CHECK_CONTAINS(status.message(), c.want);
+      CHECK_CONTAINS(status.message(), as_output ? "output 1" : "input 3");
+    }
+  }
+  UpdateProgram none = Affine(n, f32, 1.0f);
+  none.outputs.clear();
+  CHECK_CONTAINS(pool->RegisterUpdate(none).status().message(),
+                 "no outputs");
+  UpdateProgram bad = Affine(n, f32, 1.0f);
+  bad.code[0].b = 40;
+  CHECK_CODE(pool->RegisterUpdate(bad), Code::kInvalidArgument);
+  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, f32, 1.0f));
+  CHECK_OK(id);
+  Status wrong = pool->StartUpdate(*id, {1.0f, 2.0f}).status();
+  CHECK_CODE(wrong, Code::kInvalidArgument);
+  CHECK_CONTAINS(wrong.message(), "takes 1 scalars per run, but got 2");
+  CHECK_CODE(pool->StartUpdate(*id + 100, {1.0f}), Code::kNotFound);
+  // Another pool's handle is unknown here.
+  std::shared_ptr<Pool> other = NewPool(Tiers(""));
+  const int32_t foreign = Put(*other, TierKind::kHost, Iota(n));
+  CHECK_CODE(pool->RegisterUpdate(Affine(n, foreign, 1.0f)), Code::kNotFound);
+}
+
+// bf16 objects of n elements from `values`.
+int32_t PutBF16(Pool& pool, TierKind tier, const std::vector<float>& values) {
+  const int64_t n = static_cast<int64_t>(values.size());
+  std::vector<uint16_t> h(n);
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t u;
+    std::memcpy(&u, &values[k], 4);
+    h[k] = static_cast<uint16_t>(u >> 16);  // exact: values are bf16s
+  }
+  StatusOr<int32_t> handle = pool.Allocate(tier, n * 2, {n}, "bfloat16");
+  CHECK_OK(handle);
+  auto ticket = pool.Write(*handle, h.data(), n * 2, 0, 0, 0);
+  CHECK_OK(ticket);
+  CHECK_OK((*ticket)->Wait(kLongWaitNs));
+  return *handle;
+}
+
+std::vector<float> GetBF16(Pool& pool, int32_t handle, int64_t n) {
+  std::vector<uint16_t> h(n);
+  auto ticket = pool.Read(handle, h.data(), n * 2, 0, 0, 0);
+  CHECK_OK(ticket);
+  CHECK_OK((*ticket)->Wait(kLongWaitNs));
+  std::vector<float> out(n);
+  for (int64_t k = 0; k < n; ++k) {
+    const uint32_t u = uint32_t{h[k]} << 16;
+    std::memcpy(&out[k], &u, 4);
+  }
+  return out;
+}
+
+TEST(NvmeObjectsGoThroughStaging) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(Tiers(dir.path(), 3));
+  // 2.5 Mi elements: two full staging blocks and a tail that ends inside a
+  // file block (10 MB and 5 MB are no multiples of 4 KiB).
+  const int64_t n = 2'500'000;
+  std::vector<float> x = Iota(n, 0.25f), y = Iota(n, -1.0f);
+  std::vector<float> w(n);
+  for (int64_t k = 0; k < n; ++k) w[k] = static_cast<float>(k % 256);
+  const int32_t hx = Put(*pool, TierKind::kNvme, x);    // read and written
+  const int32_t hy = Put(*pool, TierKind::kHost, y);    // read
+  const int32_t hw = PutBF16(*pool, TierKind::kNvme, w);  // bf16, in place
+  StatusOr<int32_t> hz = pool->Allocate(TierKind::kNvme, n * 4, {n},
+                                        "float32");       // written only
+  CHECK_OK(hz);
+  // x <- x + y; w <- w + 1 (bf16); z <- x * 2 (the old x).
+  UpdateProgram p;
+  p.num_elements = n;
+  p.inputs = {{Kind::kObject, hx}, {Kind::kObject, hy}, {Kind::kObject, hw},
+              {Kind::kConstant, 0, 0, 1.0f}, {Kind::kConstant, 0, 0, 2.0f}};
+  p.code = {{Op::kAdd, 0, 1}, {Op::kAdd, 2, 3}, {Op::kMul, 0, 4}};
+  p.outputs = {{5, hx}, {6, hw}, {7, *hz}};
+  StatusOr<int32_t> id = pool->RegisterUpdate(p);
+  CHECK_OK(id);
+  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {});
+  CHECK_OK(run);
+  CHECK_OK((*run)->Wait(kLongWaitNs));
+  std::vector<float> want_x(n), want_w(n), want_z(n);
+  for (int64_t k = 0; k < n; ++k) {
+    want_x[k] = x[k] + y[k];
+    want_w[k] = w[k] + 1.0f;  // exact in bf16 (at most 256)
+    want_z[k] = x[k] * 2.0f;
+  }
+  CHECK(SameBits(Get(*pool, hx, n), want_x));
+  CHECK(SameBits(GetBF16(*pool, hw, n), want_w));
+  CHECK(SameBits(Get(*pool, *hz, n), want_z));
+  CHECK(SameBits(Get(*pool, hy, n), y));  // untouched
+  UpdateStats stats = pool->update_stats();
+  CHECK_EQ(stats.bytes_read, uint64_t(n) * (4 + 4 + 2));
+  CHECK_EQ(stats.bytes_written, uint64_t(n) * (4 + 2 + 4));
+}
+
+TEST(NvmeErrorsFailTheRunNamingTheObject) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(Tiers(dir.path()));
+  const int64_t n = 100'000;
+  const int32_t h = Put(*pool, TierKind::kNvme, Iota(n));
+  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  CHECK_OK(id);
+  // The file cut short behind the pool's back: its bytes are lost.
+  CHECK_EQ(truncate((dir.path() + "/tier.swap").c_str(), 0), 0);
+  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {2.0f});
+  CHECK_OK(run);
+  Status status = (*run)->Wait(kLongWaitNs);
+  CHECK_CODE(status, Code::kIo);
+  CHECK_CONTAINS(status.message(), "program " + std::to_string(*id));
+  CHECK_CONTAINS(status.message(), "reading handle " + std::to_string(h));
+  CHECK_EQ(pool->update_stats().failed, 1u);
+}
+
+TEST(CloseWaitsForARunInFlight) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers(""));
+  const int64_t n = 50'000;
+  const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
+  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  CHECK_OK(id);
+  CHECK_OK(pool->HoldUpdates(true));
+  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {2.0f});
+  CHECK_OK(run);
+  std::thread release([&] {
+    usleep(30'000);
+    pool->HoldUpdates(false);
+  });
+  CHECK_OK(pool->Close(kLongWaitNs));  // waited for the run
+  release.join();
+  CHECK((*run)->done());
+  CHECK_OK((*run)->Wait(0));
+  CHECK_EQ(pool->update_stats().runs, 1u);  // kept past Close
+  CHECK_CODE(pool->StartUpdate(*id, {2.0f}), Code::kClosed);
+  CHECK_CODE(pool->RegisterUpdate(Affine(n, h, 1.0f)), Code::kClosed);
+}
+
+TEST(CloseFailsRunsPastItsTimeout) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers(""));
+  const int64_t n = 50'000;
+  const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
+  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  CHECK_OK(id);
+  CHECK_OK(pool->HoldUpdates(true));
+  auto first = pool->StartUpdate(*id, {2.0f});
+  auto second = pool->StartUpdate(*id, {2.0f});
+  CHECK_OK(first);
+  CHECK_OK(second);
+  CHECK_CODE(pool->Close(20 * kMs), Code::kTimeout);
+  Status a = (*first)->Wait(kLongWaitNs), b = (*second)->Wait(kLongWaitNs);
+  CHECK_CODE(a, Code::kClosed);
+  CHECK_CONTAINS(a.message(), "the pool was closed while it ran");
+  CHECK_CODE(b, Code::kClosed);
+  CHECK_CONTAINS(b.message(), "the pool was closed before it ran");
+}
+
+TEST(AWaitThatTimesOutSaysSoAndTheRunGoesOn) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers(""));
+  const int64_t n = 5'000;
+  const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
+  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  CHECK_OK(id);
+  CHECK_OK(pool->HoldUpdates(true));
+  auto run = pool->StartUpdate(*id, {2.0f});
+  CHECK_OK(run);
+  Status waited = (*run)->Wait(5 * kMs);
+  CHECK_CODE(waited, Code::kTimeout);
+  CHECK_CONTAINS(waited.message(), "of program " + std::to_string(*id));
+  CHECK_CONTAINS(waited.message(), "did not finish within 5 ms");
+  CHECK_OK(pool->HoldUpdates(false));
+  CHECK_OK((*run)->Wait(kLongWaitNs));
+}
+
+TEST(ConcurrentStartersFreersAndAllocators) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers("", 3));
+  const int64_t n = 40'000;
+  constexpr int kThreads = 3;
+  constexpr int kRuns = 20;
+  std::vector<int32_t> objects;
+  std::vector<int32_t> programs;
+  for (int t = 0; t < kThreads; ++t) {
+    objects.push_back(Put(*pool, TierKind::kHost, std::vector<float>(n, 0)));
+    StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, objects[t], 1.0f));
+    CHECK_OK(id);
+    programs.push_back(*id);
+  }
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRuns; ++r) {
+        auto run = pool->StartUpdate(programs[t], {1.0f});
+        if (!run.ok() || !(*run)->Wait(kLongWaitNs).ok()) failed = true;
+      }
+    });
+  }
+  threads.emplace_back([&] {  // churn next to the runs
+    for (int i = 0; i < 50; ++i) {
+      StatusOr<int32_t> h =
+          pool->Allocate(TierKind::kHost, 64 * kKiB, {16 * 1024}, "float32");
+      if (!h.ok() || !pool->Free(*h, kLongWaitNs).ok()) failed = true;
+      (void)pool->update_stats();
+    }
+  });
+  for (std::thread& thread : threads) thread.join();
+  CHECK(!failed);
+  for (int t = 0; t < kThreads; ++t) {
+    for (float v : Get(*pool, objects[t], n)) CHECK_EQ(v, float(kRuns));
+  }
+  CHECK_EQ(pool->update_stats().runs, uint64_t(kThreads * kRuns));
+}
+
+TEST(CpuListsParse) {
+  CHECK(numa::ParseCpuList("0-3,8,10-11\n") ==
+        (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
+  CHECK(numa::ParseCpuList("") == std::vector<int>{});
+  CHECK(numa::ParseCpuList("3-1") == std::vector<int>{});
+  CHECK(numa::ParseCpuList("x") == std::vector<int>{});
+  CHECK(!numa::AllowedCpus().empty());
+  // This machine's nodes with CPUs hold only allowed CPUs.
+  for (const auto& [node, cpus] : numa::AllowedCpusByNode()) {
+    CHECK_GE(node, 0);
+    CHECK(!cpus.empty());
+  }
+}
+
+TEST(NegativeUpdateThreadsAreRefused) {
+  PoolConfig config = Tiers("", -1);
+  CHECK_CODE(Pool::Create(config), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace jcxl
+
+JCXL_TEST_MAIN()
