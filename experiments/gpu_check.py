@@ -37,6 +37,10 @@ records its error and the next part still runs.
                alone), jax_host, cxl_fixed, cxl_dap, and the transfer floor
                of the offloaded state (its bytes over the measured cxl
                bandwidth, each way).
+  host_update  experiments.host_update on the GPU (--layers blocks of
+               --width, 32000 tokens): cxl_offload(update='host') against
+               update='device' and resident: step times (paired), bytes
+               per parameter each way from the pool's counters, losses.
 
 Targets (evaluated from whatever parts ended; a missing input is reported as
 such, never guessed): every equality and bit-exact check passes; the host
@@ -79,6 +83,7 @@ import jcxl
 from experiments import common as exp_common
 from experiments import compare
 from experiments import flags as shared_flags
+from experiments import host_update as host_update_exp
 from jcxl import _jcxl
 from jcxl import streamed_scan
 from jcxl.units import format_bytes
@@ -88,7 +93,7 @@ from models import data
 from models import gpt2
 
 PARTS = ("equality", "scan_exact", "reuse", "bandwidth", "overlap", "faults",
-         "first_fetch", "steps")
+         "first_fetch", "steps", "host_update")
 
 FLAGS = flags.FlagValues()
 _DRY_RUN = shared_flags.dry_run(
@@ -656,10 +661,22 @@ def steps(config: Config, result: dict[str, Any]) -> dict[str, Any]:
           "cuda_counters": _counter_delta(before, _cuda_counters())}
 
 
+def host_update(config: Config, _: dict[str, Any]) -> dict[str, Any]:
+  """The near-memory update against the device update, on this device."""
+  cfg = host_update_exp.Config(
+      n_layer=config.layers, n_embd=config.width,
+      vocab_size=512 if config.dry_run else 32000, seq_len=config.seq_len,
+      batch=config.batch, rounds=config.rounds, link=jcxl.DEFAULT_CXL_LINK,
+      seed=0)
+  out = host_update_exp.run(cfg)
+  out.pop("host_plan", None)  # long; the part's JSON keeps the figures
+  return out
+
+
 PART_FNS: dict[str, Callable[[Config, dict[str, Any]], dict[str, Any]]] = {
     "equality": equality, "scan_exact": scan_exact, "reuse": reuse,
     "bandwidth": bandwidth, "overlap": overlap, "faults": faults,
-    "first_fetch": first_fetch, "steps": steps}
+    "first_fetch": first_fetch, "steps": steps, "host_update": host_update}
 
 
 # ------------------------------------------------------------ targets
@@ -732,6 +749,15 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
       jax_host = (modes.get("jax_host") or {}).get("step_ms")
       if jax_host:
         out["offloaded_faster_than_jax_host"] = best < jax_host
+  hu = part("host_update")
+  if hu is not None:
+    out["host_update_over_device_update"] = hu["paired"]["host/device"]
+    out["host_update_bytes_per_param"] = (
+        hu["traffic"]["host"]["total_per_param"])
+    out["device_update_bytes_per_param"] = (
+        hu["traffic"]["device"]["total_per_param"])
+    out["host_update_losses_match"] = (
+        hu["loss_max_relative_difference_host_vs_device"] <= 1e-6)
   if missing:
     out["not_evaluated"] = missing
   return out
@@ -770,6 +796,14 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"  | {what} | "
                      f"{_fmt(m.get('h2d_gbps', m.get('skipped')))} | "
                      f"{_fmt(m.get('d2h_gbps'))} |")
+    elif name == "host_update":
+      lines += ["  | mode | median step ms | B/param a step |",
+                "  | --- | --- | --- |"]
+      for mode, seconds in value.get("median_step_s", {}).items():
+        moved = value.get("traffic", {}).get(mode, {})
+        lines.append(f"  | {mode} | {_fmt(seconds * 1e3)} | "
+                     f"{_fmt(moved.get('total_per_param'))} |")
+      lines.append(f"  paired: {value.get('paired')}")
     elif name == "steps":
       lines += ["  | mode | step ms | tokens/s | loss vs resident |",
                 "  | --- | --- | --- | --- |"]

@@ -304,6 +304,20 @@ JCXL_INLINE void Apply(const UpdateInstr& instr, const float* a,
     case Op::kCopy:
       std::memcpy(r, a, sizeof(float) * n);
       break;
+    // One rounding: the FMA instruction in the AVX2+FMA clone (libm's
+    // fmaf, as exact but slower, elsewhere).
+    case Op::kFma:
+      Map3(a, b, c, r, n,
+           [](float x, float y, float z) { return __builtin_fmaf(x, y, z); });
+      break;
+    case Op::kFms:
+      Map3(a, b, c, r, n,
+           [](float x, float y, float z) { return __builtin_fmaf(x, y, -z); });
+      break;
+    case Op::kFnma:
+      Map3(a, b, c, r, n,
+           [](float x, float y, float z) { return __builtin_fmaf(-x, y, z); });
+      break;
   }
   if (instr.dtype == UpdateDType::kBF16) RoundBF16InPlace(r, n);
 }
@@ -339,6 +353,9 @@ int ArityOf(UpdateOp op) {
       return 2;
     case Op::kSelect:
     case Op::kClamp:
+    case Op::kFma:
+    case Op::kFms:
+    case Op::kFnma:
       return 3;
   }
   return 0;  // not an op
@@ -574,6 +591,9 @@ const char* UpdateOpName(UpdateOp op) {
     case Op::kNot: return "not";
     case Op::kConvert: return "convert_element_type";
     case Op::kCopy: return "copy";
+    case Op::kFma: return "fma";
+    case Op::kFms: return "fms";
+    case Op::kFnma: return "fnma";
   }
   return "?";
 }
@@ -637,7 +657,7 @@ Status ValidateUpdateProgram(const UpdateProgram& program) {
       return Invalid(where + ": unknown op " +
                      std::to_string(static_cast<int32_t>(instr.op)) +
                      " (ops are 0.." +
-                     std::to_string(static_cast<int32_t>(UpdateOp::kCopy)) +
+                     std::to_string(static_cast<int32_t>(UpdateOp::kFnma)) +
                      ")");
     }
     if (instr.dtype != UpdateDType::kF32 && instr.dtype != UpdateDType::kBF16 &&
@@ -789,7 +809,7 @@ void RunChunksBaseline(const UpdateProgram& program, const Plan& plan,
 }
 
 #if defined(JCXL_AVX2_CLONE)
-__attribute__((target("avx2"))) void RunChunksAvx2(
+__attribute__((target("avx2,fma"))) void RunChunksAvx2(
     const UpdateProgram& program, const Plan& plan,
     const std::vector<UpdateArray>& in, const std::vector<UpdateArray>& out,
     float* regs, std::vector<const float*>& reg, int64_t begin, int64_t end) {
@@ -799,7 +819,8 @@ __attribute__((target("avx2"))) void RunChunksAvx2(
 bool HasAvx2() {
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
+    return __builtin_cpu_supports("avx2") != 0 &&
+           __builtin_cpu_supports("fma") != 0;
   }();
   return has;
 }

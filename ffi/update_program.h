@@ -54,6 +54,12 @@ enum class UpdateOp : int32_t {
   kAnd = 21, kOr = 22, kNot = 23,  // on bools
   kConvert = 24,  // a to `dtype` (f32 -> bf16 rounds; -> bool is a != 0)
   kCopy = 25,     // a
+  // Fused multiply-adds, rounded once: XLA's loops contract a product used
+  // once into the sum that uses it on CPUs and GPUs with FMA, so programs
+  // taken from a jaxpr contract them too (to compute the same bits).
+  kFma = 26,      // a * b + c
+  kFms = 27,      // a * b - c
+  kFnma = 28,     // c - a * b
 };
 
 struct UpdateInstr {

@@ -181,6 +181,8 @@ class LayerPlan:
   tiers: tuple[str, ...]
   prefetch: int       # how many layers ahead its fetches are issued
   chunk_bytes: int    # copy-engine piece size (0: the pool's default)
+  update: str = ""    # where its optimizer update runs: "host", "device"
+                      # (or "" where the step writes none of its state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +198,8 @@ class Plan:
       whose pool-resident leaves differ (names, shapes, dtypes, count).
     placement: per tier, the bytes of the leaves it holds by how often the
       step fetches them (see ``placement_lines``).
+    updates: per layer whose state the step writes, where its optimizer
+      update runs and why (``cxl_offload``'s `update`).
   """
   layers: tuple[LayerPlan, ...]
   schedule: str
@@ -203,6 +207,7 @@ class Plan:
   reasons: tuple[str, ...] = ()
   made_for: MadeFor | None = None
   placement: tuple[str, ...] = ()
+  updates: tuple[str, ...] = ()
 
   def layer(self, name: str) -> LayerPlan:
     for layer in self.layers:
@@ -216,11 +221,12 @@ class Plan:
     end: a block's four attention projections)."""
     width = max([len("layer")] + [len(l.name) for l in self.layers])
     rows = [f"{'layer':{width}s} {'bytes':>12s} {'tier':8s} {'prefetch':>8s} "
-            f"{'chunk':>10s}"]
+            f"{'chunk':>10s} {'update':>6s}"]
     for l in self.layers:
       chunk = format_bytes(l.chunk_bytes) if l.chunk_bytes else "pool"
       rows.append(f"{l.name:{width}s} {format_bytes(l.nbytes):>12s} "
-                  f"{','.join(l.tiers):8s} {l.prefetch:8d} {chunk:>10s}")
+                  f"{','.join(l.tiers):8s} {l.prefetch:8d} {chunk:>10s} "
+                  f"{l.update or '-':>6s}")
     return "\n".join(rows)
 
   def __str__(self) -> str:
@@ -229,8 +235,10 @@ class Plan:
       head += f", predicted step {self.predicted_step_s * 1e3:.2f} ms"
     why = "".join(f"\n  {r}" for r in self.reasons)
     where = "".join(f"\n  {p}" for p in self.placement)
+    updates = "".join(f"\n  {u}" for u in self.updates)
     return (f"{head}:\n{self.table()}" + (f"\nwhy:{why}" if why else "") +
-            (f"\nplacement:{where}" if where else ""))
+            (f"\nplacement:{where}" if where else "") +
+            (f"\nupdates:{updates}" if updates else ""))
 
   def as_schedule(self, source: str = "") -> LayerSchedule:
     """This plan's distances and chunks, to compile a step with (the
@@ -246,6 +254,7 @@ class Plan:
             "predicted_step_s": self.predicted_step_s,
             "reasons": list(self.reasons),
             "placement": list(self.placement),
+            "updates": list(self.updates),
             "layers": [dataclasses.asdict(l) for l in self.layers],
             "made_for": (dataclasses.asdict(self.made_for)
                          if self.made_for else None)}
@@ -261,7 +270,8 @@ class Plan:
                            int(made_for["leaves"]), str(made_for["digest"]))
       return cls(layers, str(data["schedule"]), data.get("predicted_step_s"),
                  tuple(data.get("reasons", ())), made_for,
-                 tuple(data.get("placement", ())))
+                 tuple(data.get("placement", ())),
+                 tuple(data.get("updates", ())))
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"not a jcxl plan: {e!r}") from None
 

@@ -50,6 +50,9 @@ class UpdateOp(enum.IntEnum):
   NOT = 23
   CONVERT = 24  # a to `dtype`: to BF16 rounds, to BOOL is a != 0
   COPY = 25  # a
+  FMA = 26  # a * b + c, rounded once (as XLA contracts a product used once)
+  FMS = 27  # a * b - c
+  FNMA = 28  # c - a * b
 
 
 class UpdateDType(enum.IntEnum):

@@ -20,7 +20,11 @@ from jcxl._src import call_args
 from jcxl._src import registry
 from jcxl._src import shardings as shardings_lib
 from jcxl._src.dap import costmodel
+from jcxl._src.offload import host_runs
+from jcxl._src.offload import host_update
 from jcxl._src.offload.clusters import FetchClusters
+from jcxl._src.offload.host_update import HostUpdateNode
+from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Program
 from jcxl._src.offload.program import layer_of
 from jcxl._src.offload.program import reorder_by_layer
@@ -69,6 +73,9 @@ class Analysis:
   store_after: dict[Any, int]
   returned: list[tuple[int, Any, Any]]  # (output leaf, key, state target)
   segments: list[costmodel.Segment]
+  host_updates: list[HostUpdateNode] = dataclasses.field(default_factory=list)
+  # Per layer with pool state it writes: where its update runs, and why.
+  update_paths: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _with_arguments_after(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -201,9 +208,12 @@ def _check_aliases(name: str, flat: list[Any], names: list[str],
 
 
 def analyze(args: tuple[Any, ...], prep: Prepared,
-            timed: bool = False) -> Analysis:
+            timed: bool = False, update: str = "device",
+            bind: host_runs.HostUpdates | None = None) -> Analysis:
   """Traces the step and finds its clusters, stores and timeline
-  (`timed`: see ``FetchClusters.timeline``)."""
+  (`timed`: see ``FetchClusters.timeline``), with each layer's optimizer
+  update where `update` says (see ``cxl_offload``); `bind` makes the host
+  updates' objects (None: planned only, nothing made)."""
   flat = jax.tree_util.tree_leaves(args, is_leaf=is_pool_array)
   closed = jax.make_jaxpr(prep.fn)(*prep.avals)
   paths = [jax.tree_util.keystr(p) for p, _ in
@@ -232,6 +242,27 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
         stores[key] = target
     elif j < num_out:  # the arguments as left: written, never returned
       returned.append((j, key, target))
+  found, device_why = host_update.find(
+      program, resident, stores, key_paths,
+      {key for _, key, _ in returned if not isinstance(key, Lit)}, update)
+  chosen, update_paths = host_runs.choose(
+      found, update, lambda t: tier_links([t])[t.tier.value],
+      host_runs.measured_rates)
+  for layer, why in device_why.items():
+    if update_paths.get(layer, "").startswith("host"):
+      # Some of its leaves on the host, the others not (lamb's weights
+      # take a device-computed update; its moments need a norm).
+      update_paths[layer] = (f"mixed: {update_paths[layer][6:]}; the "
+                             f"others on the device: {why}")
+    else:
+      update_paths.setdefault(layer, f"device: {why}")
+  host_update.apply(program, stores, chosen)
+  for node in chosen:
+    if bind is not None:
+      bind.bind(node, program)
+    else:
+      node.staging = {k: host_runs.virtual_staging(node, k)
+                      for k in node.grads}
   for key in slice_state_updates(program, resident, stores):
     del stores[key]  # the sliced loop stores these, layer by layer
   fetches = FetchClusters(program, resident, key_paths)
@@ -242,9 +273,14 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
   store_after = {key: max(producer.get(key, -1),
                           fetches.last_use.get(old_key[id(t)], -1))
                  for key, t in stores.items()}
+  for node in chosen:  # gradients go out as soon as they exist
+    for key, staging in node.staging.items():
+      stores[key] = staging
+      store_after[key] = producer.get(key, -1)
   return Analysis(program, fetches, resident, key_paths, values, stores,
                   store_after, returned,
-                  fetches.timeline(stores, store_after, timed))
+                  fetches.timeline(stores, store_after, timed), chosen,
+                  update_paths)
 
 
 def _state_targets(bound: call_args.BoundCall, out_shape: Any, name: str

@@ -47,8 +47,8 @@ def _scan_streamed_positions(node: Node, program: Program,
   if isinstance(node, SlicedNode):
     return {pos: key for pos, key in enumerate(node.ins)
             if key in node.pool_keys}
-  if node.eqn.primitive.name != "scan":
-    return {}
+  if node.eqn is None or node.eqn.primitive.name != "scan":
+    return {}  # a host update's node reads only device values
   first_xs = node.eqn.params["num_consts"] + node.eqn.params["num_carry"]
   out = {}
   for pos in range(first_xs, len(node.ins)):

@@ -28,6 +28,7 @@ from jcxl._src.dap import costmodel
 from jcxl._src.offload.clusters import Cluster
 from jcxl._src.offload.clusters import FetchClusters
 from jcxl._src.offload.clusters import unordered_reads
+from jcxl._src.offload.host_update import HostUpdateNode
 from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
@@ -43,6 +44,8 @@ from jcxl._src.stream import store
 from jcxl._src.stream import store_done
 from jcxl._src.stream import store_start
 from jcxl._src.stream import streamed_scan
+from jcxl._src.stream import update_done
+from jcxl._src.stream import update_start
 
 
 def _mark(value: jax.Array) -> jax.Array:
@@ -73,9 +76,20 @@ class Interpreter:
     self.stores_in_flight: collections.deque = collections.deque()
     self.stored: set = set()
     self.last: Any = None  # the latest output: where the step has got to
+    self.host_updates = [n for n in program.nodes
+                         if isinstance(n, HostUpdateNode)]
+    gradients = {k for n in self.host_updates for k in n.grads}
     # Reads a store must wait for that nothing else orders before it.
-    self.unordered = unordered_reads(program, fetches, stores)
+    self.unordered = unordered_reads(
+        program, fetches,
+        {k: t for k, t in stores.items() if k not in gradients})
     self.marked = {id(c) for cs in self.unordered.values() for c in cs}
+    # A host update overwrites state in place: every device read of it
+    # must be done first.
+    overwritten = {k for n in self.host_updates for k in n.overwritten}
+    self.marked |= {id(c) for c in fetches.clusters if c.key in overwritten}
+    self.store_token_of: dict[Any, Any] = {}
+    self.updates_in_flight: list[Any] = []
     self.marks: dict[int, Any] = {}
     # What the stores hand back, returned from the step: work whose only
     # consumer is a store is then no longer invisible from the step's
@@ -201,6 +215,26 @@ class Interpreter:
     self.store_tokens.append(token)
     return []
 
+  def _host_update(self, node: HostUpdateNode, i: int) -> list[Any]:
+    """Starts a host update once its gradients are in the pool, its
+    scalars exist and the state it overwrites has been read."""
+    after = []
+    for key in node.grads:
+      if key not in self.stored:
+        self._store(key)
+      while key not in self.store_token_of:
+        self._store_done()
+      after.append(self.store_token_of[key])
+    after += [self.marks[id(c)] for c in self.fetches.clusters
+              if c.key in node.overwritten and id(c) in self.marks]
+    scalars = (jax.numpy.stack([
+        jax.numpy.asarray(self._read(k, i), jax.numpy.float32)
+        for k in node.scalars]) if node.scalars else
+               jax.numpy.zeros((0,), jax.numpy.float32))
+    self.updates_in_flight.append((node.pool_id, update_start(
+        node.pool_id, node.program_id, scalars, after=after)))
+    return []
+
   def _issue_stores(self, i: int) -> None:
     for key, at in self.store_after.items():
       if at == i and key not in self.stored:
@@ -214,12 +248,15 @@ class Interpreter:
     reads = [self.marks[id(c)] for c in self.unordered.get(key, ())
              if id(c) in self.marks]
     self.stores_in_flight.append(
-        store_start(self.stores[key], value, after=reads or None))
+        (key, store_start(self.stores[key], value, after=reads or None)))
     while len(self.stores_in_flight) > costmodel.STORES_IN_FLIGHT:
       self._store_done()
 
   def _store_done(self) -> None:
-    self.store_tokens.append(store_done(self.stores_in_flight.popleft()))
+    key, pending = self.stores_in_flight.popleft()
+    token = store_done(pending)
+    self.store_token_of[key] = token
+    self.store_tokens.append(token)
 
   def read_output(self, key: Any) -> Any:
     """The value of one of the program's outputs."""
@@ -241,6 +278,8 @@ class Interpreter:
       streamed = self.fetches.streamed.get(i)
       if isinstance(node, SlicedNode):
         outs = self._sliced_loop(node, i)
+      elif isinstance(node, HostUpdateNode):
+        outs = self._host_update(node, i)
       elif streamed:
         outs = self._streamed_scan(node, streamed, i)
       else:
@@ -257,6 +296,9 @@ class Interpreter:
         self._store(key)
     while self.stores_in_flight:
       self._store_done()
+    # The step ends once the pool holds its new state.
+    for pool_id, pending in self.updates_in_flight:
+      self.store_tokens.append(update_done(pending, pool_id=pool_id))
 
   def tokens(self) -> list[jax.Array]:
     """The stores' tokens, stacked by shape and layout (a mesh's are

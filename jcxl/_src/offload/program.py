@@ -52,6 +52,8 @@ class Program:
     self.nodes: list[Node] = []
     self.alias: dict[Any, Any] = {}
     self.consts: dict[Any, Any] = {}
+    # An inlined scope -> (its caller's scope, the call equation).
+    self.callers: dict[int, tuple[int, Any]] = {}
     self._scopes = itertools.count(1)
     literal = jax_compat.literal_type()
     self._literal = literal
@@ -75,6 +77,7 @@ class Program:
       if sub is not None:
         inner, inner_consts = sub
         inner_scope = next(self._scopes)
+        self.callers[inner_scope] = (scope, eqn)
         inner_remat = remat
         if name in REMAT:
           inner_remat = inner_scope

@@ -11,6 +11,7 @@ from jcxl import _jcxl
 from jcxl._src import schedule as schedule_lib
 from jcxl._src.dap import costmodel
 from jcxl._src.offload.analysis import Analysis
+from jcxl._src.offload import host_runs
 from jcxl._src.offload.clusters import Cluster
 from jcxl._src.offload.clusters import shard_bytes
 from jcxl._src.offload.program import layer_of
@@ -57,6 +58,12 @@ def record_plan(a: Analysis, schedule: schedule_lib.LayerSchedule,
       groups[handle] = name
       if j == 0:
         first_device[handle] = name
+  for node in a.host_updates:  # its gradients' bytes count as its layer's
+    for staging in node.staging.values():
+      for j, (_, handle) in enumerate(staging.local_handles):
+        groups[handle] = node.layer
+        if j == 0:
+          first_device[handle] = node.layer
   pooled = {c.key: a.resident[c.key] for c in all_clusters
             if isinstance(a.resident[c.key], PoolArray)}
   placement = schedule_lib.placement_lines(
@@ -67,12 +74,16 @@ def record_plan(a: Analysis, schedule: schedule_lib.LayerSchedule,
         name=name, nbytes=sum(map(shard_bytes, entry["keys"].values())),
         tiers=tuple(sorted(entry["tiers"])),
         prefetch=schedule.prefetch_for(name),
-        chunk_bytes=schedule.chunk_for(name)))
+        chunk_bytes=schedule.chunk_for(name),
+        update=a.update_paths.get(name, "").split(":")[0]))
   prediction = costmodel.simulate(
       a.segments, {l.name: l.prefetch for l in rows}, links,
       {l.name: l.chunk_bytes for l in rows})
+  updates = tuple(f"{name}: {why}" for name, why in a.update_paths.items())
+  if a.host_updates:
+    updates += (host_runs.traffic_line(a.host_updates),)
   return schedule_lib.Plan(tuple(rows), source, prediction.step_s, (),
-                           made_for, placement)
+                           made_for, placement, updates)
 
 
 def layer_reports(groups: dict[int, str], first_device: dict[int, str],

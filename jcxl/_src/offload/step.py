@@ -28,6 +28,8 @@ from jcxl._src.dap import costmodel
 from jcxl._src.dap import profile as profile_lib
 from jcxl._src.offload import analysis
 from jcxl._src.offload import compiled as compiled_lib
+from jcxl._src.offload import host_runs
+from jcxl._src.offload import host_update
 from jcxl._src.offload import reports
 from jcxl._src.offload import run_order as run_order_lib
 from jcxl._src.offload import scheduler as scheduler_lib
@@ -50,7 +52,8 @@ class OffloadedStep:
                schedule: schedule_lib.Schedule, in_shardings: Any = None,
                out_shardings: Any = None,
                params: call_args.Signature | None = None,
-               run_order: run_order_lib.RunOrder = run_order_lib.PROCESS):
+               run_order: run_order_lib.RunOrder = run_order_lib.PROCESS,
+               update: str = "device"):
     self._fn = fn
     self._name = getattr(fn, "__name__", "the step")
     self._params = params or call_args.Signature(fn)
@@ -61,6 +64,9 @@ class OffloadedStep:
     self._scheduler = scheduler_lib.for_schedule(schedule, device_budget,
                                                  self._compile_plan)
     self._run_order = run_order
+    self._update = host_update.check_mode(update)
+    # The gradients' pool objects and programs of its host updates.
+    self._host_updates = host_runs.HostUpdates()
     # This step in `run_order`: a token, so the order keeps no dropped
     # step alive.
     self._run_token = object()
@@ -114,7 +120,8 @@ class OffloadedStep:
   # which must leave the scheduler and `self._plan` alone.
   def _run(self, args: tuple[Any, ...], prep: analysis.Prepared,
            ahead: schedule_lib.LayerSchedule | None = None) -> list[Any]:
-    a = analysis.analyze(args, prep)
+    a = analysis.analyze(args, prep, update=self._update,
+                         bind=self._host_updates)
     links = analysis.tier_links(a.resident.values())
     made_for = schedule_lib.MadeFor.of(
         (layer_of(a.key_paths[k]), a.key_paths[k], t.shape, t.dtype)
@@ -380,7 +387,7 @@ def cxl_offload(fn: Callable | None = None, *,
                 schedule: str = "fixed:1", in_shardings: Any = None,
                 out_shardings: Any = None, static_argnums: Any = None,
                 static_argnames: Any = None, donate_argnums: Any = None,
-                donate_argnames: Any = None) -> Any:
+                donate_argnames: Any = None, update: str = "device") -> Any:
   """Rewrites a step so that its pool-resident state streams from the pool.
 
   Arguments holding ``PoolArray`` leaves (placed with ``jcxl.place``) are
@@ -425,6 +432,19 @@ def cxl_offload(fn: Callable | None = None, *,
       compiles the step anew. Donated device arrays are consumed by the
       call; pool-resident state is updated in place either way. Keyword
       arguments are accepted as ``jax.jit`` accepts them.
+    update: where each layer's optimizer update runs. 'device' (the
+      default): in the step, its state streamed in and the new state
+      stored back. 'host': next to the memory, in place on the pool's
+      objects (host and cxl tiers), by the host CPU's vectorized kernels
+      while the device goes on; only the gradients leave the device, and
+      the new weights come in when they are next needed. It runs
+      elementwise updates (adam, adamw, sgd with momentum, lion, ... with
+      schedules, masks and clip_by_global_norm, whose scalars the device
+      computes); a leaf whose update is not elementwise (a norm of the
+      leaf, as in lamb) is refused with ValueError naming it. 'auto': per
+      layer, the path predicted faster from measured rates (the link's,
+      the host update's and the device's); other layers on the device.
+      ``step.plan`` says where each layer's update ran, and why.
 
   Returns:
     The rewritten step; ``step.plan`` is the per-layer plan it compiled
@@ -444,6 +464,7 @@ def cxl_offload(fn: Callable | None = None, *,
   budget = (None if device_budget is None else
             parse_bytes(device_budget, name="device_budget"))
   parsed = schedule_lib.parse_schedule(schedule)
+  host_update.check_mode(update)
 
   def wrap(f):
     if not callable(f):
@@ -451,6 +472,7 @@ def cxl_offload(fn: Callable | None = None, *,
     return OffloadedStep(f, budget, parsed, in_shardings, out_shardings,
                          call_args.Signature(f, static_argnums,
                                              static_argnames, donate_argnums,
-                                             donate_argnames))
+                                             donate_argnames),
+                         update=update)
 
   return wrap if fn is None else wrap(fn)

@@ -1,0 +1,260 @@
+r"""The optimizer update next to the memory: update='host' against 'device'.
+
+One GPT-2-shaped model (by default 8 blocks of width 512, a 32000-token
+vocabulary, sequences of 256, micro-batch 2: 41.7M parameters) trained
+with fp32 adamw three ways in one run, on the same batches:
+
+* resident: the plain step under ``jax.jit``, everything on the device;
+* device: ``cxl_offload(update='device')``, parameters and adamw state in
+  the pool's cxl tier, the update in the step (state streamed in and out);
+* host: ``cxl_offload(update='host')``, the same state, the update run by
+  the pool's host kernels in place; only gradients leave the device.
+
+Each round runs every mode (in a seeded random order) for two steps back
+to back and times the second; per mode the median over rounds, and per
+pair the median of the rounds' ratios (which cancels the machine's load in
+that round). Bytes crossing between device and pool per parameter per step
+come from the pool's counters over one step of each offloaded mode. The
+host kernel's bandwidth is measured against a plain memcpy of the same
+bytes (``benchmarks.bench.host_update_bandwidth``). Losses of the three
+modes are compared step by step.
+
+The cxl tier is EMULATED on this machine's DRAM behind a link model (its
+bandwidth and per-transfer latency are flags, printed in every report);
+the host update reads and writes that DRAM at its own speed, as a CPU
+reads CXL memory with loads and stores. The "device" is XLA:CPU: the
+step's compute and the host update share the same cores, where on an
+accelerator the host update overlaps the device's backward pass.
+
+Acceptance targets, printed as PASS/FAIL lines:
+  * host step at most 1.12x the resident step (paired);
+  * host step no slower than the device-update step (paired);
+  * host update moves at most 8 bytes per parameter (fp32 adamw);
+  * the host kernel reaches at least 0.7 of memcpy's bandwidth;
+  * losses equal the device update's within 1e-6 (relative).
+
+Command line (the defaults; about 5 minutes on a 2-core machine):
+
+  python -m experiments.host_update --n_layer=8 --n_embd=512 \
+      --vocab_size=32000 --seq_len=256 --batch=2 --rounds=12
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+import optax
+
+from benchmarks import bench
+import jcxl
+from experiments import common
+from experiments import flags as shared_flags
+from models import common as model_common
+from models import gpt2
+
+FLAGS = flags.FlagValues()
+_N_LAYER = flags.DEFINE_integer("n_layer", 8, "Blocks of the model.",
+                                lower_bound=1, flag_values=FLAGS)
+_N_EMBD = flags.DEFINE_integer("n_embd", 512, "Width of the model (a "
+                               "multiple of 64: heads of 64).",
+                               lower_bound=64, flag_values=FLAGS)
+_VOCAB = flags.DEFINE_integer("vocab_size", 32000, "Tokens in the "
+                              "vocabulary.", lower_bound=2,
+                              flag_values=FLAGS)
+_SEQ_LEN = shared_flags.seq_len(FLAGS, default=256, lower_bound=2)
+_BATCH = shared_flags.batch(FLAGS, default=2, lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 12, "Timed rounds (each mode "
+                               "twice per round, the second timed).",
+                               lower_bound=1, flag_values=FLAGS)
+_LINK_BANDWIDTH = shared_flags.link_bandwidth(FLAGS)
+_LINK_LATENCY_US = shared_flags.link_latency_us(FLAGS)
+_SEED = shared_flags.seed(FLAGS)
+_JSON_OUT = shared_flags.json_out(FLAGS)
+_DRY_RUN = shared_flags.dry_run(
+    FLAGS, help_text="A tiny model, two rounds: checks that the program "
+    "runs; its PASS/FAIL lines mean nothing.")
+
+MODES = ("resident", "device", "host")
+STEP_LIMIT = 1.12       # host step / resident step, at most
+TRAFFIC_LIMIT = 8.0     # bytes per parameter per step, at most
+KERNEL_LIMIT = 0.7      # host kernel bandwidth / memcpy's, at least
+LOSS_RTOL = 1e-6
+DRY_RUN_SIZES = {"n_layer": 2, "n_embd": 64, "vocab_size": 512,
+                 "seq_len": 32, "rounds": 2}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  n_layer: int
+  n_embd: int
+  vocab_size: int
+  seq_len: int
+  batch: int
+  rounds: int
+  link: jcxl.LinkModel
+  seed: int
+  json_out: str | None = None
+
+  def validate(self) -> None:
+    if self.n_embd % 64:
+      raise ValueError(f"--n_embd must be a multiple of 64, not {self.n_embd}")
+    common.check_json_out(self.json_out, "runs/host_update.json")
+
+  def model(self) -> gpt2.GPT2Config:
+    return gpt2.GPT2Config(vocab_size=self.vocab_size, n_ctx=self.seq_len,
+                           n_embd=self.n_embd, n_layer=self.n_layer,
+                           n_head=self.n_embd // 64)
+
+
+def config_from_flags() -> Config:
+  sizes = {"n_layer": _N_LAYER.value, "n_embd": _N_EMBD.value,
+           "vocab_size": _VOCAB.value, "seq_len": _SEQ_LEN.value,
+           "rounds": _ROUNDS.value}
+  if _DRY_RUN.value:
+    sizes = DRY_RUN_SIZES
+  return Config(**sizes, batch=_BATCH.value,
+                link=shared_flags.link(_LINK_BANDWIDTH, _LINK_LATENCY_US),
+                seed=_SEED.value, json_out=_JSON_OUT.value)
+
+
+def _batches(config: Config, n: int) -> list[dict[str, np.ndarray]]:
+  rng = np.random.default_rng(config.seed)
+  tokens = [rng.integers(0, config.vocab_size,
+                         size=(config.batch, config.seq_len + 1),
+                         dtype=np.int32) for _ in range(n)]
+  return [{"x": t[:, :-1], "y": t[:, 1:]} for t in tokens]
+
+
+class _Mode:
+  """One way of running the step, with its own copy of the state."""
+
+  def __init__(self, name: str, step: Any, params: Any, opt_state: Any):
+    self.name, self.step = name, step
+    self.params, self.opt_state = params, opt_state
+    self.losses: list[float] = []
+
+  def __call__(self, batch: Any) -> float:
+    started = time.perf_counter()
+    self.params, self.opt_state, loss = self.step(self.params,
+                                                  self.opt_state, batch)
+    loss = float(loss)  # waits for the step (and its stores and updates)
+    self.losses.append(loss)
+    return time.perf_counter() - started
+
+
+def _state_bytes(tree: Any) -> int:
+  return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+
+def run(config: Config) -> dict[str, Any]:
+  model = config.model()
+  params = jax.tree.map(np.asarray, model_common.init_params(
+      model, seed=config.seed))
+  loss_fn = model_common.make_loss(model)
+  tx = optax.adamw(1e-4, weight_decay=0.1)
+  train_step = common.make_train_step(loss_fn, tx)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  state = _state_bytes(params) + _state_bytes(tx.init(params))
+  link = config.link
+  emulated = (f"cxl EMULATED: link {link.bandwidth / 1e9:g} GB/s, "
+              f"{link.latency_s * 1e6:g} us per transfer; device XLA:CPU")
+  print(f"{n_params / 1e6:.1f}M parameters, adamw state "
+        f"{jcxl.units.format_bytes(state)}; {emulated}", flush=True)
+  # Both offloaded copies of the state and the host path's gradients.
+  capacity = 2 * state + _state_bytes(params) + (256 << 20)
+  with jcxl.Pool(host="64MiB", cxl=capacity, cxl_link=link) as pool:
+    place = lambda tree: jcxl.place(tree, "cxl", pool=pool)
+    modes = {
+        "resident": _Mode("resident", jax.jit(train_step, donate_argnums=(
+            0, 1)), jax.device_put(params), jax.device_put(tx.init(params))),
+        "device": _Mode("device", jcxl.cxl_offload(
+            train_step, update="device"), place(params),
+            place(tx.init(params))),
+        "host": _Mode("host", jcxl.cxl_offload(train_step, update="host"),
+                      place(params), place(tx.init(params))),
+    }
+    data = _batches(config, 3 + 2 * config.rounds)
+    for name in MODES:  # compiled and warmed up, on the same batches
+      for batch in data[:2]:
+        modes[name](batch)
+      print(f"{name}: compiled and warmed up", flush=True)
+    traffic = {}
+    for name in ("device", "host"):
+      before = pool.stats()["cxl"]
+      modes[name](data[2])
+      after = pool.stats()["cxl"]
+      read = (after.bytes_read - before.bytes_read) / n_params
+      written = (after.bytes_written - before.bytes_written) / n_params
+      traffic[name] = {"read_per_param": read, "written_per_param": written,
+                       "total_per_param": read + written}
+      print(f"{name}: {read + written:.2f} B/param a step "
+            f"({read:.2f} in, {written:.2f} out)", flush=True)
+    modes["resident"](data[2])
+    times = {name: [] for name in MODES}
+    for r in range(config.rounds):
+      for name in common.shuffled(MODES, r):
+        for batch in data[3 + 2 * r:5 + 2 * r]:
+          seconds = modes[name](batch)
+        times[name].append(seconds)
+      print(f"round {r + 1}/{config.rounds}: " + ", ".join(
+          f"{n} {times[n][-1] * 1e3:.0f} ms" for n in MODES), flush=True)
+    plan = str(modes["host"].step.plan)
+  kernel = bench.host_update_bandwidth()
+  losses = {n: modes[n].losses for n in MODES}
+  loss_rel = float(np.max(np.abs(np.subtract(losses["host"],
+                                             losses["device"])) /
+                          np.abs(losses["device"])))
+  paired = lambda a, b: float(np.median(np.divide(times[a], times[b])))
+  results = {
+      "model": dataclasses.asdict(model),
+      "parameters": n_params,
+      "state_bytes": state,
+      "emulation": emulated,
+      "median_step_s": {n: float(np.median(times[n])) for n in MODES},
+      "paired": {"host/resident": paired("host", "resident"),
+                 "device/resident": paired("device", "resident"),
+                 "host/device": paired("host", "device")},
+      "traffic": traffic,
+      "host_kernel": kernel,
+      "loss_max_relative_difference_host_vs_device": loss_rel,
+      "loss_max_relative_difference_device_vs_resident": float(np.max(
+          np.abs(np.subtract(losses["device"], losses["resident"])) /
+          np.abs(losses["resident"]))),
+      "host_plan": plan,
+  }
+  checks = [
+      ("host step / resident", results["paired"]["host/resident"],
+       f"<= {STEP_LIMIT}", results["paired"]["host/resident"] <= STEP_LIMIT),
+      ("host step / device-update step", results["paired"]["host/device"],
+       "<= 1", results["paired"]["host/device"] <= 1.0),
+      ("host traffic, B/param", traffic["host"]["total_per_param"],
+       f"<= {TRAFFIC_LIMIT}",
+       traffic["host"]["total_per_param"] <= TRAFFIC_LIMIT),
+      ("host kernel / memcpy bandwidth", kernel["ratio"],
+       f">= {KERNEL_LIMIT}", kernel["ratio"] >= KERNEL_LIMIT),
+      ("losses host vs device, max relative", loss_rel, f"<= {LOSS_RTOL}",
+       loss_rel <= LOSS_RTOL),
+  ]
+  results["checks"] = [{"check": c, "value": v, "target": t,
+                        "pass": bool(ok)} for c, v, t, ok in checks]
+  print(f"\n{emulated}")
+  for n in MODES:
+    print(f"{n:9s} median step {results['median_step_s'][n] * 1e3:8.1f} ms")
+  for c, v, t, ok in checks:
+    print(f"{'PASS' if ok else 'FAIL'}  {c}: {v:.4g} (target {t})")
+  return results
+
+
+def main(argv: Sequence[str]) -> None:
+  common.run_program(argv, config_from_flags, run)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=common.flags_parser(FLAGS, __doc__))

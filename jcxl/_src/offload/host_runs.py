@@ -1,0 +1,205 @@
+"""What a step's host updates need at run time: the pool objects their
+gradients are stored into and their registered programs (made once per
+step and reused by each of its compiles), and `update='auto'`'s choice of
+path per update from measured rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+from jcxl._src import placement
+from jcxl._src import registry
+from jcxl._src import update_program as up
+from jcxl._src.dap import compute_estimate
+from jcxl._src.dap import costmodel
+from jcxl._src.offload import host_update
+from jcxl._src.offload.host_update import HostUpdateNode
+from jcxl._src.offload.program import Program
+from jcxl._src.pool import Tier
+from jcxl._src.pool_array import PoolArray
+from jcxl._src.units import format_bytes
+
+# Elements of each array the host update's rate is measured on.
+_CALIBRATION_ELEMENTS = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """What `update='auto'` compares, in bytes per second."""
+  host_update: float  # the host update's (bytes read and written)
+  device_update: float  # the device's elementwise work (read + written)
+
+  def describe(self) -> str:
+    return (f"host update {self.host_update / 1e9:.1f} GB/s, device "
+            f"{self.device_update / 1e9:.1f} GB/s")
+
+
+def _seconds(nbytes: float, link: costmodel.Link) -> float:
+  return nbytes / link.bandwidth + (link.latency_s if nbytes else 0.0)
+
+
+def choose(nodes: list[HostUpdateNode], update: str,
+           link_of: Callable[[PoolArray], costmodel.Link],
+           rates: Callable[[int], Rates]
+           ) -> tuple[list[HostUpdateNode], dict[str, str]]:
+  """The updates that run on the host, and per layer why its path.
+
+  With update='auto' an update runs on the host where moving its
+  gradients out and updating on the host is predicted no slower than
+  moving its state in and out and updating on the device.
+  """
+  chosen, why = [], {}
+  for node in nodes:
+    if update == "host":
+      chosen.append(node)
+      why.setdefault(node.layer, "host: update='host'")
+      continue
+    link = link_of(next(iter(node.writes.values())))
+    r = rates(node.pool_id)
+    device_s = (_seconds(node.device_link_bytes(), link) +
+                (node.device_link_bytes() + node.link_bytes()) /
+                r.device_update)
+    host_s = (_seconds(node.link_bytes(), link) +
+              node.host_bytes() / r.host_update)
+    per = lambda b: f"{b / node.elements:.1f} B/param"
+    detail = (f"host {per(node.link_bytes())} over the link + "
+              f"{per(node.host_bytes())} on the host = "
+              f"{host_s * 1e3:.3f} ms; device {per(node.device_link_bytes())}"
+              f" over the link + its update = {device_s * 1e3:.3f} ms "
+              f"(link {link.bandwidth / 1e9:.1f} GB/s, {r.describe()})")
+    if host_s <= device_s:
+      chosen.append(node)
+      why.setdefault(node.layer, f"host: {detail}")
+    else:
+      why[node.layer] = f"device: {detail}"
+  return chosen, why
+
+
+class HostUpdates:
+  """The gradients' pool objects and the registered programs of one
+  step's host updates, by what they update (a re-plan of the same step
+  reuses them), freed with the step."""
+
+  def __init__(self):
+    self._made: dict[Any, tuple[dict[int, PoolArray], int]] = {}
+    self._finalizer = weakref.finalize(self, _release, self._made)
+
+  def bind(self, node: HostUpdateNode, program: Program) -> None:
+    """Gives `node` its gradients' objects and its program's id."""
+    pool = registry.find_pool(node.pool_id, what="a host update's state")
+    key = (node.pool_id, repr(host_update.compile_program(
+        node, program, {k: -1 for k in node.grads})),
+           tuple((tuple(k[1].aval.shape), str(k[1].aval.dtype))
+                 for k in node.grads))
+    made = self._made.get(key)
+    if made is None:
+      staging = {}
+      try:
+        for j, k in enumerate(node.grads):
+          staging[j] = _staging(pool, node, k)
+        program_id = pool.register_update(host_update.compile_program(
+            node, program, {k: staging[j].local_handles[0][1]
+                            for j, k in enumerate(node.grads)}))
+      except BaseException:
+        for x in staging.values():
+          pool.free(x.local_handles[0][1])
+        raise
+      made = self._made[key] = (staging, program_id)
+    staging, node.program_id = made
+    node.staging = {k: staging[j] for j, k in enumerate(node.grads)}
+
+  def close(self) -> None:
+    self._finalizer()
+
+
+def _staging(pool: Any, node: HostUpdateNode, key: Any) -> PoolArray:
+  """A pool object for one gradient, in the tier of the state it updates:
+  the gradient crosses the same link the state would."""
+  target = next(iter(node.writes.values()))
+  aval = key[1].aval
+  return placement.store_shards(
+      None, pool=pool, tier=target.tier, sharding=target.sharding,
+      shape=tuple(aval.shape), dtype=aval.dtype,
+      path=f"{target.path} (gradient)",
+      make_object=lambda device: pool.allocate(aval.shape, aval.dtype,
+                                               target.tier))
+
+
+def virtual_staging(node: HostUpdateNode, key: Any) -> PoolArray:
+  """A stand-in for a gradient's object where a step is only planned."""
+  target = next(iter(node.writes.values()))
+  aval = key[1].aval
+  return PoolArray(np.full((1,), -1, np.int32), pool_id=-1,
+                   shape=aval.shape, dtype=aval.dtype,
+                   sharding=target.sharding, tier=target.tier,
+                   path=f"{target.path} (gradient)",
+                   local_handles=((-1, -1),))
+
+
+def _release(made: dict) -> None:
+  for (pool_id, *_), (staging, program_id) in made.items():
+    pool = next((p for p in registry.open_pools() if p.id == pool_id), None)
+    if pool is None:
+      continue  # closed: its objects and programs went with it
+    pool.release_update(program_id)
+    for x in staging.values():
+      pool.free(x.local_handles[0][1])
+  made.clear()
+
+
+@functools.lru_cache(maxsize=None)
+def measured_rates(pool_id: int) -> Rates:
+  """The host update's rate on pool `pool_id` (an adam-like program on
+  scratch objects of its host or cxl tier), and the device's elementwise
+  rate; measured once per pool."""
+  pool = registry.find_pool(pool_id, what="a host update")
+  n = _CALIBRATION_ELEMENTS
+  tier = Tier.HOST if pool.stats()[Tier.HOST].enabled else Tier.CXL
+  handles = [pool.allocate((n,), np.float32, tier) for _ in range(4)]
+  try:
+    p, m, v, g = handles
+    obj = lambda h: up.Input(kind=up.InputKind.OBJECT, handle=h)
+    const = lambda c: up.Input(kind=up.InputKind.CONSTANT, constant=c)
+    ins = [obj(p), obj(m), obj(v), obj(g), const(0.9), const(0.1),
+           const(1e-3)]
+    I = lambda op, a, b: up.Instr(op=op, a=a, b=b)
+    code = [I(up.UpdateOp.MUL, 4, 1), I(up.UpdateOp.MUL, 5, 3),   # 7, 8
+            I(up.UpdateOp.ADD, 7, 8), I(up.UpdateOp.MUL, 3, 3),   # 9, 10
+            I(up.UpdateOp.MUL, 10, 5), I(up.UpdateOp.ADD, 2, 11),  # 11, 12
+            I(up.UpdateOp.SQRT, 12, -1), I(up.UpdateOp.DIV, 9, 13),  # 13, 14
+            I(up.UpdateOp.MUL, 14, 6), I(up.UpdateOp.SUB, 0, 15)]  # 15, 16
+    program = up.Program(num_elements=n, num_scalars=0, inputs=ins,
+                         code=code, outputs=[up.Output(reg=16, handle=p),
+                                             up.Output(reg=9, handle=m),
+                                             up.Output(reg=12, handle=v)])
+    program_id = pool.register_update(program)
+    try:
+      times = []
+      for _ in range(3):
+        started = time.perf_counter()
+        pool.run_update(program_id, []).wait()
+        times.append(time.perf_counter() - started)
+    finally:
+      pool.release_update(program_id)
+  finally:
+    for h in handles:
+      pool.free(h)
+  _, elements_per_s = compute_estimate.device_rates()
+  return Rates(host_update=28 * n / sorted(times)[1],
+               device_update=8 * elements_per_s)
+
+
+def traffic_line(nodes: list[HostUpdateNode]) -> str:
+  """What the host updates move, for the plan."""
+  link = sum(n.link_bytes() for n in nodes)
+  host = sum(n.host_bytes() for n in nodes)
+  return (f"host updates: {len(nodes)}, gradients out "
+          f"{format_bytes(link)}, updated in the pool "
+          f"{format_bytes(host)} a step")

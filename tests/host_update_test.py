@@ -1,0 +1,258 @@
+"""cxl_offload(update='host'|'auto'): the optimizer update next to the
+memory, equal to the device update, moving less."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jcxl
+from models import common
+from models import gpt2
+import numpy as np
+import optax
+import pytest
+
+DIM, LAYERS, BATCH, STEPS = 32, 3, 8, 20
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw_masked": lambda: optax.adamw(
+        1e-2, weight_decay=1e-2,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    "adamw_cosine": lambda: optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS),
+        weight_decay=1e-3),
+    "sgd_momentum": lambda: optax.sgd(
+        optax.exponential_decay(5e-2, 5, 0.5), momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(5e-2, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-3, weight_decay=1e-2),
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.05),
+                                      optax.adamw(1e-2)),
+}
+
+
+def mlp(scan: bool):
+  rng = np.random.default_rng(0)
+  w = lambda *s: (rng.normal(size=s) * 0.3).astype(np.float32)
+  if scan:
+    params = {"blocks": {"w": w(LAYERS, DIM, DIM),
+                         "b": np.zeros((LAYERS, DIM), np.float32)},
+              "head": {"w": w(DIM, 4)}}
+  else:
+    params = {f"layer{i}": {"w": w(DIM, DIM), "b": np.zeros(DIM, np.float32)}
+              for i in range(LAYERS)}
+    params["head"] = {"w": w(DIM, 4)}
+
+  def loss_fn(p, x):
+    h = x
+    if scan:
+      h = jax.lax.scan(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"]), None), h,
+                       p["blocks"])[0]
+    else:
+      for i in range(LAYERS):
+        h = jnp.tanh(h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+    return jnp.mean((h @ p["head"]["w"] - 0.5) ** 2)
+  return params, loss_fn
+
+
+def batches(n, shape=(BATCH, DIM)):
+  rng = np.random.default_rng(1)
+  return [rng.normal(size=shape).astype(np.float32) for _ in range(n)]
+
+
+def make_step(loss_fn, tx):
+  def train_step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return train_step
+
+
+def run(pool, params, loss_fn, tx, data, update, tier="cxl", **offload):
+  step = jcxl.cxl_offload(make_step(loss_fn, tx), update=update, **offload)
+  p = jcxl.place(params, tier, pool=pool)
+  s = jcxl.place(tx.init(params), tier, pool=pool)
+  losses = []
+  for x in data:
+    p, s, loss = step(p, s, x)
+    losses.append(float(loss))
+  return step, losses, jcxl.gather(p), jcxl.gather(s)
+
+
+def assert_close(a, b, rtol=1e-6):
+  """Each leaf within `rtol` of the other's largest magnitude (an element
+  near zero has no relative precision to speak of)."""
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    np.testing.assert_allclose(x, y, rtol=0,
+                               atol=rtol * max(np.abs(y).max(), 1e-30))
+
+
+@pytest.fixture
+def pool():
+  with jcxl.Pool(host="64MiB", cxl="256MiB") as p:
+    yield p
+
+
+class EqualityTest:
+
+  @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+  @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+  def test_host_update_equals_device_update(self, pool, name, scan):
+    params, loss_fn = mlp(scan)
+    data = batches(STEPS)
+    _, dev_losses, dev_p, dev_s = run(pool, params, loss_fn,
+                                      OPTIMIZERS[name](), data, "device")
+    step, losses, p, s = run(pool, params, loss_fn, OPTIMIZERS[name](), data,
+                             "host")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(p, dev_p)
+    assert_close(s, dev_s)
+    assert losses[-1] < losses[0]
+    # The step counts (scalars) are updated in the step.
+    counts = {l.name for l in step.plan.layers if l.nbytes <= 4}
+    updates = {l.name: l.update for l in step.plan.layers}
+    assert {updates.pop(c) for c in counts} <= {"device"}
+    assert set(updates.values()) == {"host"}, step.plan
+
+  def test_a_zoo_model_equals_the_device_update(self, pool):
+    config = gpt2.tiny()
+    params = jax.tree.map(np.asarray, common.init_params(config))
+    loss = common.make_loss(config)
+    rng = np.random.default_rng(2)
+    data = [{"x": t[:, :-1], "y": t[:, 1:]} for t in
+            (rng.integers(0, 256, size=(2, 33)).astype(np.int32)
+             for _ in range(STEPS))]
+    tx = lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                             optax.adamw(1e-3, weight_decay=0.1))
+    _, dev_losses, dev_p, dev_s = run(pool, params, loss, tx(), data,
+                                      "device")
+    step, losses, p, s = run(pool, params, loss, tx(), data, "host")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    # Adam divides by the root of each gradient's square: a gradient that
+    # is rounding noise (the attention's key bias: softmax ignores it) is
+    # amplified to whole steps, so two compiled programs' noise (the device
+    # update's and jax.jit's alike) moves such leaves apart; and XLA
+    # rewrites adam's divisions (a / b / c as a / (b * c)), which the host
+    # computes as written. Each leaf is as close to the device update as
+    # that is to jax.jit, or within 2e-6 of its largest value.
+    jitted = jax.jit(make_step(loss, tx()))
+    ref = (jax.tree.map(jnp.asarray, params), tx().init(params))
+    for batch in data:
+      *ref, _ = jitted(*ref, batch)
+    def distance(a, b):
+      return [float(np.abs(np.subtract(x, y, dtype=np.float64)).max() /
+                    max(np.abs(np.asarray(y)).max(), 1e-30))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    to_device = distance((p, s), (dev_p, dev_s))
+    device_to_jit = distance((dev_p, dev_s), tuple(ref))
+    for ours, theirs in zip(to_device, device_to_jit):
+      assert ours <= max(2e-6, 3 * theirs), (ours, theirs)
+    assert "host" in {l.update for l in step.plan.layers}
+
+
+class TrafficTest:
+
+  def test_only_gradients_leave_the_device(self, pool):
+    params, loss_fn = mlp(scan=False)
+    tx = optax.adamw(1e-2)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    moved = {}
+    for update in ("device", "host"):
+      step = jcxl.cxl_offload(make_step(loss_fn, tx), update=update)
+      p = jcxl.place(params, "cxl", pool=pool)
+      s = jcxl.place(tx.init(params), "cxl", pool=pool)
+      data = batches(2)
+      p, s, loss = step(p, s, data[0])  # compiled, calibrated
+      float(loss)  # the step (its stores and updates) is done
+      before = pool.stats()["cxl"]
+      p, s, loss = step(p, s, data[1])
+      jax.block_until_ready(loss)
+      after = pool.stats()["cxl"]
+      moved[update] = (after.bytes_read - before.bytes_read,
+                       after.bytes_written - before.bytes_written)
+    # The host update writes only gradients out: 4 bytes per parameter
+    # (and adamw's step count, a scalar updated in the step).
+    assert moved["host"][1] == 4 * n + 4
+    # The device update writes weights and both moments back.
+    assert moved["device"][1] == 12 * n + 4
+    # Neither moment comes in on the host path.
+    assert moved["host"][0] <= moved["device"][0] - 8 * n
+
+
+class ChoicesTest:
+
+  def test_auto_explains_each_layer_and_matches(self, pool):
+    params, loss_fn = mlp(scan=False)
+    data = batches(4)
+    _, dev_losses, dev_p, _ = run(pool, params, loss_fn, optax.adam(1e-2),
+                                  data, "device")
+    step, losses, p, _ = run(pool, params, loss_fn, optax.adam(1e-2), data,
+                             "auto")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(p, dev_p)
+    text = str(step.plan)
+    assert "updates:" in text
+    for layer in step.plan.layers:
+      assert layer.update in ("host", "device")
+      assert any(u.startswith(f"{layer.name}: {layer.update}")
+                 for u in step.plan.updates), text
+
+  def test_a_norm_of_the_leaf_is_refused_on_the_host_by_name(self, pool):
+    params, loss_fn = mlp(scan=False)
+    with pytest.raises(ValueError, match="scale_by_trust_ratio"):
+      run(pool, params, loss_fn, optax.lamb(1e-3), batches(1), "host")
+
+  def test_auto_keeps_what_the_host_cannot_run_on_the_device(self, pool):
+    params, loss_fn = mlp(scan=False)
+    data = batches(3)
+    _, dev_losses, _, _ = run(pool, params, loss_fn, optax.lamb(1e-3), data,
+                              "device")
+    step, losses, _, _ = run(pool, params, loss_fn, optax.lamb(1e-3), data,
+                             "auto")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    # The moments need a norm of the leaf: on the device. (The weights
+    # may take their device-computed update on the host.)
+    assert {l.update for l in step.plan.layers} <= {"device", "mixed"}
+    assert "scale_by_trust_ratio" in str(step.plan)
+
+  def test_an_unknown_update_is_refused(self):
+    with pytest.raises(ValueError, match="update must be one of"):
+      jcxl.cxl_offload(lambda x: x, update="cpu")
+
+
+class WithOtherPartsTest:
+
+  def test_dap_with_the_host_update(self, pool):
+    params, loss_fn = mlp(scan=False)
+    data = batches(6)
+    _, dev_losses, dev_p, _ = run(pool, params, loss_fn, optax.adamw(1e-2),
+                                  data, "device")
+    _, losses, p, _ = run(pool, params, loss_fn, optax.adamw(1e-2), data,
+                          "host", schedule="dap")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(p, dev_p)
+
+  @pytest.mark.parametrize("first,second", [("host", "device"),
+                                            ("device", "host")])
+  def test_a_checkpoint_resumes_under_the_other_path(self, pool, tmp_path,
+                                                     first, second):
+    params, loss_fn = mlp(scan=False)
+    tx = optax.adamw(1e-2)
+    data = batches(6)
+    _, losses, ref_p, _ = run(pool, params, loss_fn, tx, data, "device")
+    step = jcxl.cxl_offload(make_step(loss_fn, tx), update=first)
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    for x in data[:3]:
+      p, s, _ = step(p, s, x)
+    path = jcxl.checkpoint.save(tmp_path / "ckpt", {"p": p, "s": s})
+    restored = jcxl.checkpoint.restore(path, like={"p": p, "s": s})
+    p, s = restored["p"], restored["s"]
+    step = jcxl.cxl_offload(make_step(loss_fn, tx), update=second)
+    resumed = []
+    for x in data[3:]:
+      p, s, loss = step(p, s, x)
+      resumed.append(float(loss))
+    np.testing.assert_allclose(resumed, losses[3:], rtol=1e-6)
+    assert_close(jcxl.gather(p), ref_p)
