@@ -29,9 +29,9 @@ import sys
 
 import numpy as np
 
+import jcxl
 from benchmarks import bench
-from jcxl._src import pool as pool_lib
-from jcxl._src import update_program as up
+from jcxl import updates as up
 
 BYTES_PER_ELEMENT = 28  # p, mu, nu, g read (16) + p, mu, nu written (12)
 B1, B2, EPS = np.float32(0.9), np.float32(0.999), np.float32(1e-8)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
   arrays[2] *= np.float32(1e-3)
   copy_bytes = n * BYTES_PER_ELEMENT // 2
   host = 4 * n * 4 + copy_bytes + (64 << 20)
-  with pool_lib.Pool(host=host, cxl=0, update_threads=args.update_threads,
+  with jcxl.Pool(host=host, cxl=0, update_threads=args.update_threads,
                      copy_threads=args.update_threads or
                      min(16, len(os.sched_getaffinity(0)))) as pool:
     handles = [pool.put(a, "host") for a in arrays]

@@ -42,6 +42,7 @@ from jcxl import distributed as distributed
 from jcxl import planning as planning
 from jcxl import topology as topology
 from jcxl import units as units
+from jcxl import updates as updates
 
 __all__ = [
     # Errors.
@@ -88,6 +89,7 @@ __all__ = [
     "planning",
     "topology",
     "units",
+    "updates",
 ]
 
 

@@ -107,7 +107,7 @@ class ExportsTest:
       assert step.tuner.history
       assert all(isinstance(e, jcxl.TunerEvent) for e in step.tuner.history)
 
-  @pytest.mark.parametrize("module", ["planning", "units"])
+  @pytest.mark.parametrize("module", ["planning", "units", "updates"])
   def test_public_modules_document_each_name(self, module):
     mod = getattr(jcxl, module)
     for name in mod.__all__:

@@ -3,7 +3,9 @@
 // Each input opens two pools (A with host, cxl and nvme tiers, B with a host
 // tier) and decodes its bytes into operations on them: allocate (and write
 // the whole object), free, write or read a range, compact, use a freed, a
-// foreign (B's), a made-up or an out-of-range handle, and churn B. A shadow
+// foreign (B's), a made-up or an out-of-range handle, churn B, and run an
+// update program (x <- -x) on an object, then wait for it, or free the
+// object or compact the pool while it runs (both must wait for it). A shadow
 // copy of every object's bytes says what each read must return. After every
 // operation:
 //   * A lists exactly the live handles, and every one of them resolves;
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -91,7 +94,7 @@ class PoolFuzzer {
 
   void Run() {
     while (!in_.done()) {
-      switch (in_.Byte() % 12) {
+      switch (in_.Byte() % 13) {
         case 0:
         case 1:
         case 2:
@@ -121,6 +124,9 @@ class PoolFuzzer {
         case 10:
           OutOfRange();
           break;
+        case 11:
+          Update();
+          break;
         default:
           ChurnB();
           break;
@@ -149,8 +155,13 @@ class PoolFuzzer {
     if (shadow_.size() >= kMaxObjects) return Free();
     const TierKind tier = static_cast<TierKind>(in_.Byte() % 3);
     const uint64_t bytes = in_.Size(128 << 10);
+    // Some objects are float32 (for update programs).
+    const bool floats = bytes % 4 == 0 && in_.Byte() % 2 == 0;
     StatusOr<int32_t> handle =
-        a_->Allocate(tier, bytes, {static_cast<int64_t>(bytes)}, "uint8");
+        floats ? a_->Allocate(tier, bytes, {static_cast<int64_t>(bytes / 4)},
+                              "float32")
+               : a_->Allocate(tier, bytes, {static_cast<int64_t>(bytes)},
+                              "uint8");
     if (!handle.ok()) {
       FUZZ_CHECK(handle.status().code() == Code::kExhausted,
                  handle.status().message());
@@ -167,16 +178,61 @@ class PoolFuzzer {
                                           in_.Range(0, 3) * 64 * 1024));
     FUZZ_CHECK(written.ok(), written.message());
     shadow_[*handle] = std::move(data);
+    if (floats) floats_.insert(*handle);
   }
 
   void Free() {
     if (shadow_.empty()) return;
-    const int32_t handle = Pick();
+    FreeHandle(Pick());
+  }
+
+  void FreeHandle(int32_t handle) {
     const Status freed = a_->Free(handle, kWaitNs);
     FUZZ_CHECK(freed.ok(), freed.message());
     shadow_.erase(handle);
+    floats_.erase(handle);
     stale_.push_back(handle);
     if (stale_.size() > 32) stale_.erase(stale_.begin());
+  }
+
+  // x <- -x on an object: registered only where it holds float32; while it
+  // runs, a free or a compaction of the pool must wait for it.
+  void Update() {
+    if (shadow_.empty()) return;
+    const int32_t handle = Pick();
+    std::vector<char>& data = shadow_[handle];
+    const bool floats = floats_.count(handle) > 0;
+    UpdateProgram program;
+    program.num_elements = static_cast<int64_t>(data.size() / 4);
+    program.inputs = {{UpdateInput::Kind::kObject, handle}};
+    program.code = {{UpdateOp::kNeg, 0}};
+    program.outputs = {{1, handle}};
+    StatusOr<int32_t> id = a_->RegisterUpdate(program);
+    if (!floats) {
+      FUZZ_CHECK(id.status().code() == Code::kInvalidArgument,
+                 "an update program registered on uint8 " + H(handle));
+      return;
+    }
+    FUZZ_CHECK(id.ok(), id.status().message());
+    StatusOr<std::shared_ptr<UpdateRun>> run = a_->StartUpdate(*id, {});
+    FUZZ_CHECK(run.ok(), run.status().message());
+    for (size_t i = 3; i < data.size(); i += 4) data[i] ^= '\x80';
+    switch (in_.Byte() % 3) {
+      case 0:
+        break;
+      case 1:
+        FreeHandle(handle);  // waits for the run
+        FUZZ_CHECK((*run)->Wait(kWaitNs).ok(), "the run failed");
+        FUZZ_CHECK(a_->StartUpdate(*id, {}).status().code() == Code::kNotFound,
+                   "a run started on freed " + H(handle));
+        break;
+      default:
+        Compact();  // waits for the run, then checks every object's bytes
+        break;
+    }
+    const Status waited = (*run)->Wait(kWaitNs);
+    FUZZ_CHECK(waited.ok(), waited.message());
+    FUZZ_CHECK(a_->ReleaseUpdate(*id).ok(), "release failed");
   }
 
   void Write() {
@@ -370,6 +426,7 @@ class PoolFuzzer {
   std::shared_ptr<Pool> a_;
   std::shared_ptr<Pool> b_;
   std::map<int32_t, std::vector<char>> shadow_;  // A's objects and bytes
+  std::set<int32_t> floats_;                     // of those, float32 ones
   std::vector<int32_t> stale_;                   // freed in A, recently
   std::vector<int32_t> b_handles_;
   std::vector<char> scratch_;
@@ -400,6 +457,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   config.nvme_dir = dir.path();
   config.spill = shape & 1;
   config.copy_threads = 1 + (shape >> 1) % 2;
+  config.update_threads = 1 + (shape >> 4) % 2;
   config.chunk_bytes = (shape & 4) ? 64 << 10 : 4 << 20;
   config.allocator.span_bytes = (shape & 8) ? 64 << 10 : 256 << 10;
   StatusOr<std::shared_ptr<Pool>> a = Pool::Create(config);

@@ -23,7 +23,8 @@ from jcxl import _jcxl
 
 
 class UpdateOp(enum.IntEnum):
-  """An instruction's operation, by the JAX primitive it implements."""
+  """An instruction's operation (the C++ enumerator without its k), by the
+  JAX primitive it implements."""
   ADD = 0  # a + b
   SUB = 1  # a - b
   MUL = 2  # a * b
@@ -36,7 +37,8 @@ class UpdateOp(enum.IntEnum):
   SQRT = 9  # sqrt(a)
   RSQRT = 10  # 1 / sqrt(a), each rounded (XLA:CPU's own rsqrt differs)
   SQUARE = 11  # a * a
-  INTEGER_POW = 12  # a ** imm by squaring, as jax lowers lax.integer_pow
+  INT_POW = 12  # a ** imm by squaring, as jax lowers lax.integer_pow
+  INTEGER_POW = 12  # the same (the primitive's name)
   SELECT = 13  # a ? c : b (lax.select_n(a, b, c): a is the predicate)
   CLAMP = 14  # min(max(b, a), c) (lax.clamp(lo=a, x=b, hi=c))
   EQ = 15
