@@ -180,6 +180,33 @@ class TrafficTest:
     assert moved["host"][0] <= moved["device"][0] - 8 * n
 
 
+  def test_weights_fetched_once_move_eight_bytes_a_parameter(self, pool):
+    params, loss_fn = mlp(scan=False)
+    tx = optax.adamw(1e-2)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    data = batches(3)
+    _, dev_losses, dev_p, _ = run(pool, params, loss_fn, tx, data, "device")
+    step = jcxl.cxl_offload(make_step(loss_fn, tx), update="host",
+                            refetch=False)
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    losses = []
+    for j, x in enumerate(data):
+      before = pool.stats()["cxl"]
+      p, s, loss = step(p, s, x)
+      losses.append(float(loss))
+      after = pool.stats()["cxl"]
+    # Weights in once (and the step count), gradients out.
+    assert after.bytes_read - before.bytes_read == 4 * n + 4
+    assert after.bytes_written - before.bytes_written == 4 * n + 4
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(jcxl.gather(p), dev_p)
+
+  def test_refetch_must_be_a_bool(self):
+    with pytest.raises(TypeError, match="refetch must be True or False"):
+      jcxl.cxl_offload(lambda x: x, refetch="no")
+
+
 class ChoicesTest:
 
   def test_auto_explains_each_layer_and_matches(self, pool):
@@ -256,3 +283,33 @@ class WithOtherPartsTest:
       resumed.append(float(loss))
     np.testing.assert_allclose(resumed, losses[3:], rtol=1e-6)
     assert_close(jcxl.gather(p), ref_p)
+
+
+class ExperimentTest:
+
+  def test_dry_run_measures_every_mode(self, tmp_path, capsys):
+    from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+    from experiments import host_update
+    saved = flagsaver.save_flag_values(host_update.FLAGS)
+    json_out = tmp_path / "results.json"
+    try:
+      host_update.main(host_update.FLAGS(
+          ["host_update", "--dry_run", f"--json_out={json_out}"]))
+    finally:
+      flagsaver.restore_flag_values(saved, host_update.FLAGS)
+    import json  # pylint: disable=g-import-not-at-top
+    results = json.loads(json_out.read_text())
+    assert set(results["median_step_s"]) == {"resident", "device", "host",
+                                             "host_once"}
+    # Weights in once, gradients out (and the step count, on this model
+    # of 0.1M parameters 0.0001 B/param).
+    assert results["traffic"]["host_once"]["total_per_param"] == (
+        pytest.approx(8, abs=0.01))
+    traffic = results["traffic"]
+    # Gradients out, 4 bytes per parameter; the device update writes 12.
+    assert traffic["host"]["written_per_param"] == pytest.approx(4, abs=0.01)
+    assert traffic["device"]["written_per_param"] == pytest.approx(
+        12, abs=0.01)
+    assert results["loss_max_relative_difference_host_vs_device"] <= 1e-6
+    assert "EMULATED" in results["emulation"]
+    assert "EMULATED" in capsys.readouterr().out

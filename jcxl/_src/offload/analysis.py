@@ -209,11 +209,13 @@ def _check_aliases(name: str, flat: list[Any], names: list[str],
 
 def analyze(args: tuple[Any, ...], prep: Prepared,
             timed: bool = False, update: str = "device",
-            bind: host_runs.HostUpdates | None = None) -> Analysis:
+            bind: host_runs.HostUpdates | None = None,
+            refetch: bool = True) -> Analysis:
   """Traces the step and finds its clusters, stores and timeline
   (`timed`: see ``FetchClusters.timeline``), with each layer's optimizer
   update where `update` says (see ``cxl_offload``); `bind` makes the host
-  updates' objects (None: planned only, nothing made)."""
+  updates' objects (None: planned only, nothing made); `refetch`: see
+  ``cxl_offload``."""
   flat = jax.tree_util.tree_leaves(args, is_leaf=is_pool_array)
   closed = jax.make_jaxpr(prep.fn)(*prep.avals)
   paths = [jax.tree_util.keystr(p) for p, _ in
@@ -249,13 +251,17 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
       found, update, lambda t: tier_links([t])[t.tier.value],
       host_runs.measured_rates)
   for layer, why in device_why.items():
-    if update_paths.get(layer, "").startswith("host"):
+    chosen_path = update_paths.get(layer, "")
+    if chosen_path.startswith("host"):
       # Some of its leaves on the host, the others not (lamb's weights
       # take a device-computed update; its moments need a norm).
-      update_paths[layer] = (f"mixed: {update_paths[layer][6:]}; the "
-                             f"others on the device: {why}")
+      update_paths[layer] = (f"mixed: {chosen_path[6:]}; the others on "
+                             f"the device: {why}")
+    elif chosen_path:  # 'auto' chose the device for the leaves it could
+      update_paths[layer] = (f"device: {why}; the others by cost: "
+                             f"{chosen_path[8:]}")
     else:
-      update_paths.setdefault(layer, f"device: {why}")
+      update_paths[layer] = f"device: {why}"
   host_update.apply(program, stores, chosen)
   for node in chosen:
     if bind is not None:
@@ -265,7 +271,7 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
                       for k in node.grads}
   for key in slice_state_updates(program, resident, stores):
     del stores[key]  # the sliced loop stores these, layer by layer
-  fetches = FetchClusters(program, resident, key_paths)
+  fetches = FetchClusters(program, resident, key_paths, refetch)
   producer = {key: n for n, node in enumerate(program.nodes)
               for key in node.outs}
   old_key = {id(v): k for k, v in resident.items()}

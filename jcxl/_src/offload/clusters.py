@@ -63,7 +63,7 @@ class FetchClusters:
   schedule) when each cluster's fetch is issued."""
 
   def __init__(self, program: Program, resident: dict[Any, Any],
-               paths: dict[Any, str]):
+               paths: dict[Any, str], refetch: bool = True):
     self.program = program
     self.resident = resident
     self.paths = paths
@@ -97,7 +97,7 @@ class FetchClusters:
       for i in idx[1:]:
         # A rematerialized block fetches what it recomputes with: keeping
         # the forward pass's copy would undo remat's saving.
-        if i - prev > _CLUSTER_GAP or remat(i) != remat(prev):
+        if (refetch and i - prev > _CLUSTER_GAP) or remat(i) != remat(prev):
           clusters.append(Cluster(key, start, prev))
           start = i
         prev = i

@@ -53,7 +53,7 @@ class OffloadedStep:
                out_shardings: Any = None,
                params: call_args.Signature | None = None,
                run_order: run_order_lib.RunOrder = run_order_lib.PROCESS,
-               update: str = "device"):
+               update: str = "device", refetch: bool = True):
     self._fn = fn
     self._name = getattr(fn, "__name__", "the step")
     self._params = params or call_args.Signature(fn)
@@ -65,6 +65,7 @@ class OffloadedStep:
                                                  self._compile_plan)
     self._run_order = run_order
     self._update = host_update.check_mode(update)
+    self._refetch = refetch
     # The gradients' pool objects and programs of its host updates.
     self._host_updates = host_runs.HostUpdates()
     # This step in `run_order`: a token, so the order keeps no dropped
@@ -121,7 +122,7 @@ class OffloadedStep:
   def _run(self, args: tuple[Any, ...], prep: analysis.Prepared,
            ahead: schedule_lib.LayerSchedule | None = None) -> list[Any]:
     a = analysis.analyze(args, prep, update=self._update,
-                         bind=self._host_updates)
+                         bind=self._host_updates, refetch=self._refetch)
     links = analysis.tier_links(a.resident.values())
     made_for = schedule_lib.MadeFor.of(
         (layer_of(a.key_paths[k]), a.key_paths[k], t.shape, t.dtype)
@@ -387,7 +388,8 @@ def cxl_offload(fn: Callable | None = None, *,
                 schedule: str = "fixed:1", in_shardings: Any = None,
                 out_shardings: Any = None, static_argnums: Any = None,
                 static_argnames: Any = None, donate_argnums: Any = None,
-                donate_argnames: Any = None, update: str = "device") -> Any:
+                donate_argnames: Any = None, update: str = "device",
+                refetch: bool = True) -> Any:
   """Rewrites a step so that its pool-resident state streams from the pool.
 
   Arguments holding ``PoolArray`` leaves (placed with ``jcxl.place``) are
@@ -445,6 +447,13 @@ def cxl_offload(fn: Callable | None = None, *,
       layer, the path predicted faster from measured rates (the link's,
       the host update's and the device's); other layers on the device.
       ``step.plan`` says where each layer's update ran, and why.
+    refetch: fetch a weight again for each later use far from the last
+      (its backward pass after its forward pass): the device holds a
+      layer's weights only while it computes with them (the default).
+      False: each weight comes in once a step and stays from its first use
+      to its last, 4 bytes per parameter less traffic (with
+      update='host', weights in and gradients out: 8 bytes per fp32
+      parameter) for the device memory of every weight in between.
 
   Returns:
     The rewritten step; ``step.plan`` is the per-layer plan it compiled
@@ -465,6 +474,8 @@ def cxl_offload(fn: Callable | None = None, *,
             parse_bytes(device_budget, name="device_budget"))
   parsed = schedule_lib.parse_schedule(schedule)
   host_update.check_mode(update)
+  if not isinstance(refetch, bool):
+    raise TypeError(f"refetch must be True or False, not {refetch!r}")
 
   def wrap(f):
     if not callable(f):
@@ -473,6 +484,6 @@ def cxl_offload(fn: Callable | None = None, *,
                          call_args.Signature(f, static_argnums,
                                              static_argnames, donate_argnums,
                                              donate_argnames),
-                         update=update)
+                         update=update, refetch=refetch)
 
   return wrap if fn is None else wrap(fn)
