@@ -151,6 +151,22 @@ class EqualityTest:
     assert "host" in {l.update for l in step.plan.layers}
 
 
+  def test_nvme_state_is_updated_through_staging(self, tmp_path):
+    params, loss_fn = mlp(scan=False)
+    data = batches(4)
+    with jcxl.Pool(host="64MiB", cxl="64MiB", nvme="64MiB",
+                   nvme_dir=tmp_path) as pool:
+      _, dev_losses, dev_p, dev_s = run(pool, params, loss_fn,
+                                        optax.adamw(1e-2), data, "device",
+                                        tier="nvme")
+      step, losses, p, s = run(pool, params, loss_fn, optax.adamw(1e-2),
+                               data, "host", tier="nvme")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(p, dev_p)
+    assert_close(s, dev_s)
+    assert "host" in {l.update for l in step.plan.layers}
+
+
 class TrafficTest:
 
   def test_only_gradients_leave_the_device(self, pool):

@@ -121,15 +121,19 @@ class HostUpdates:
 
 def _staging(pool: Any, node: HostUpdateNode, key: Any) -> PoolArray:
   """A pool object for one gradient, in the tier of the state it updates:
-  the gradient crosses the same link the state would."""
+  the gradient crosses the same link the state would. (Of nvme state, in
+  a memory tier: the update stages the state through memory anyway.)"""
   target = next(iter(node.writes.values()))
+  tier = target.tier
+  if tier == Tier.NVME:
+    tier = Tier.HOST if pool.stats()[Tier.HOST].enabled else Tier.CXL
   aval = key[1].aval
   return placement.store_shards(
-      None, pool=pool, tier=target.tier, sharding=target.sharding,
+      None, pool=pool, tier=tier, sharding=target.sharding,
       shape=tuple(aval.shape), dtype=aval.dtype,
       path=f"{target.path} (gradient)",
       make_object=lambda device: pool.allocate(aval.shape, aval.dtype,
-                                               target.tier))
+                                               tier))
 
 
 def virtual_staging(node: HostUpdateNode, key: Any) -> PoolArray:

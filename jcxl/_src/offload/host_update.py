@@ -422,9 +422,6 @@ def _make_node(program: Program, g: _Graph, members: set[int],
     if len(t.local_handles) != 1:
       return None, (f"its state is sharded over {len(t.local_handles)} "
                     "devices (the host update runs unsharded state)")
-    if t.tier not in (Tier.HOST, Tier.CXL):
-      return None, (f"its state is in the {t.tier.value} tier (the host "
-                    "update runs on memory tiers)")
     if str(t.dtype) not in _OBJECT_DTYPES:
       return None, f"its state is {t.dtype} (host updates run float32, bfloat16)"
   if len(pools) != 1:
