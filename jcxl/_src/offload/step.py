@@ -437,7 +437,7 @@ def cxl_offload(fn: Callable | None = None, *,
     update: where each layer's optimizer update runs. 'device' (the
       default): in the step, its state streamed in and the new state
       stored back. 'host': next to the memory, in place on the pool's
-      objects (host and cxl tiers), by the host CPU's vectorized kernels
+      objects (nvme state through staging), by the host CPU's kernels
       while the device goes on; only the gradients leave the device, and
       the new weights come in when they are next needed. It runs
       elementwise updates (adam, adamw, sgd with momentum, lion, ... with
