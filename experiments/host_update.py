@@ -18,7 +18,8 @@ pair the median of the rounds' ratios (which cancels the machine's load in
 that round). Bytes crossing between device and pool per parameter per step
 come from the pool's counters over one step of each offloaded mode. The
 host kernel's bandwidth is measured against a plain memcpy of the same
-bytes (``benchmarks.host_update_bandwidth``, arrays of --kernel_elements). Losses of the three
+bytes on as many threads (``benchmarks.host_update_bandwidth``, arrays of
+--kernel_elements; the pool's own streaming-store copy beside it). Losses of the three
 modes are compared step by step.
 
 The cxl tier is EMULATED on this machine's DRAM behind a link model (its
@@ -258,8 +259,11 @@ def run(config: Config) -> dict[str, Any]:
       ("host_once traffic, B/param",
        traffic["host_once"]["total_per_param"], f"<= {TRAFFIC_LIMIT}",
        round(traffic["host_once"]["total_per_param"], 2) <= TRAFFIC_LIMIT),
-      ("host kernel / memcpy bandwidth", kernel["ratio"],
-       f">= {KERNEL_LIMIT}", kernel["ratio"] >= KERNEL_LIMIT),
+      # Against a plain memcpy of the same bytes on as many threads (the
+      # pool's own copy, with streaming stores, is reported beside it).
+      ("host kernel / memcpy bandwidth",
+       kernel["ratios"]["kernel/memcpy_mt"], f">= {KERNEL_LIMIT}",
+       kernel["ratios"]["kernel/memcpy_mt"] >= KERNEL_LIMIT),
       ("losses host vs device, max relative", loss_rel, f"<= {LOSS_RTOL}",
        loss_rel <= LOSS_RTOL),
   ]

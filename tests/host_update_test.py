@@ -205,6 +205,31 @@ class TrafficTest:
     assert moved["host"][0] <= moved["device"][0] - 8 * n
 
 
+  def test_bfloat16_compute_sends_bfloat16_gradients(self, pool):
+    params, loss_fn = mlp(scan=False)
+
+    def bf16_loss(p, x):  # float32 master weights, bfloat16 compute
+      p16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+      return loss_fn(p16, x.astype(jnp.bfloat16)).astype(jnp.float32)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    data = batches(4)
+    _, dev_losses, dev_p, _ = run(pool, params, bf16_loss, optax.adamw(1e-2),
+                                  data, "device")
+    tx = optax.adamw(1e-2)
+    step = jcxl.cxl_offload(make_step(bf16_loss, tx), update="host")
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    losses = []
+    for x in data:
+      before = pool.stats()["cxl"]
+      p, s, loss = step(p, s, x)
+      losses.append(float(loss))
+      after = pool.stats()["cxl"]
+    # The cast of each gradient to float32 runs on the host: 2 bytes out.
+    assert after.bytes_written - before.bytes_written == 2 * n + 4
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(jcxl.gather(p), dev_p)
+
   def test_weights_fetched_once_move_eight_bytes_a_parameter(self, pool):
     params, loss_fn = mlp(scan=False)
     tx = optax.adamw(1e-2)
