@@ -114,7 +114,9 @@ class EqualityTest:
     np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
     assert_close(p, dev_p)
     assert_close(s, dev_s)
-    if name in BIT_EXACT:  # the same operations as XLA's: the same bits
+    if name in BIT_EXACT and not scan:  # XLA's operations: the same bits
+      # (Scanned state's device update runs a loop over layers, whose
+      # fusions XLA contracts otherwise: within the tolerance above.)
       for x, y in zip(jax.tree.leaves((p, s)), jax.tree.leaves((dev_p, dev_s))):
         np.testing.assert_array_equal(x, y)
     assert losses[-1] < losses[0]

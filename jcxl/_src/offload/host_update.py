@@ -422,6 +422,8 @@ def _make_node(program: Program, g: _Graph, members: set[int],
     if len(t.local_handles) != 1:
       return None, (f"its state is sharded over {len(t.local_handles)} "
                     "devices (the host update runs unsharded state)")
+    if tuple(t.object_shard_shape) != tuple(t.shard_shape):
+      return None, "its state is a view of a larger pool object"
     if str(t.dtype) not in _OBJECT_DTYPES:
       return None, f"its state is {t.dtype} (host updates run float32, bfloat16)"
   if len(pools) != 1:
