@@ -29,7 +29,11 @@ TIMEOUT_S = 120
 # A process that makes a pool (or several) in argv[1], prints their
 # directories, then waits for a signal.
 HOLDER = """
-import sys, time
+import signal, sys, time
+# As a shell starts a program: a signal the test runner ignores (SIGHUP
+# under nohup) is inherited ignored, and jcxl rightly leaves it so.
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 import numpy as np, jcxl
 base, keep = sys.argv[1], sys.argv[2] == "keep"
 {before}
