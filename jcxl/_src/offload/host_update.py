@@ -31,7 +31,11 @@ from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
 from jcxl._src.offload.program import layer_of
-from jcxl._src.offload.sliced_update import ELEMENTWISE
+from jcxl._src.offload.regions import ELEMENTWISE
+from jcxl._src.offload.regions import Uses
+from jcxl._src.offload.regions import absorb
+from jcxl._src.offload.regions import full_shape
+from jcxl._src.offload.regions import trim
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import PoolArray
 
@@ -82,6 +86,7 @@ class HostUpdateNode(Node):
   staging: dict[Any, PoolArray] = dataclasses.field(default_factory=dict)
   program_id: int = -1
   pool_id: int = -1
+  position: int = -1  # the program node it goes after (see _insert)
   region: list[Node] = dataclasses.field(default_factory=list)  # none on
   # the device: the compute estimate charges this node nothing
 
@@ -150,30 +155,6 @@ def transformation_of(program: Program, node: Node) -> str:
   return "the step"
 
 
-class _Graph:
-  """Producers and consumers of a flat program's values."""
-
-  def __init__(self, program: Program):
-    self.program = program
-    self.producer: dict[Any, int] = {}
-    self.consumers: dict[Any, set[int]] = collections.defaultdict(set)
-    for n, node in enumerate(program.nodes):
-      for key in node.outs:
-        self.producer[key] = n
-      for atom in node.ins:
-        key = program.resolve(atom)
-        if not isinstance(key, Lit):
-          self.consumers[key].add(n)
-
-  def ins(self, n: int) -> list[Any]:
-    return [self.program.resolve(a) for a in self.program.nodes[n].ins]
-
-
-def _shape(node: Node) -> tuple[int, ...] | None:
-  shapes = {tuple(v.aval.shape) for v in node.eqn.outvars}
-  return shapes.pop() if len(shapes) == 1 else None
-
-
 def find(program: Program, resident: dict[Any, Any],
          stores: dict[Any, PoolArray], key_paths: dict[Any, str],
          returned: set[Any], update: str
@@ -196,14 +177,14 @@ def find(program: Program, resident: dict[Any, Any],
   if update == "device":
     return [], {_layer(key_paths, t, old_key): "update='device'"
                 for t in stores.values()}
-  g = _Graph(program)
+  g = Uses(program)
   outputs = set(returned)
 
   def elementwise(n: int) -> bool:
     node = program.nodes[n]
     if node.eqn is None or node.eqn.primitive.name not in ELEMENTWISE:
       return False
-    shape = _shape(node)
+    shape = full_shape(node)
     if not shape:
       return False
     if node.eqn.primitive.name == "broadcast_in_dim":
@@ -220,36 +201,16 @@ def find(program: Program, resident: dict[Any, Any],
       region.add(n)
   candidates = set(region)
   # Less what escapes: a result read by other work, or returned.
-  blocked: dict[int, int] = {}  # node left out -> the consumer that blocked
-  changed = True
-  while changed:
-    changed = False
-    for n in sorted(region):
-      for key in program.nodes[n].outs:
-        outside = [c for c in g.consumers.get(key, ()) if c not in region]
-        if outside or (key in outputs and key not in stores):
-          region.discard(n)
-          blocked[n] = outside[0] if outside else -1
-          changed = True
-          break
+  blocked = trim(g, region,
+                 lambda n, key: key in outputs and key not in stores)
+
   # Take in the elementwise work that only feeds it and reads at most one
   # array from the device (a squared or clipped gradient, a gradient cast
   # to float32): the raw gradient then is what leaves the device.
-  changed = True
-  while changed:
-    changed = False
-    for n in range(len(program.nodes) - 1, -1, -1):
-      node = program.nodes[n]
-      if n in region or not elementwise(n):
-        continue
-      if any(k in outputs for k in node.outs):
-        continue
-      users = set().union(*(g.consumers.get(k, set()) for k in node.outs))
-      arrays = {k for k, v in zip(g.ins(n), node.eqn.invars)
-                if not isinstance(k, Lit) and tuple(v.aval.shape)}
-      if users and users <= region and len(arrays) <= 1:
-        region.add(n)
-        changed = True
+  def one_array(n: int) -> bool:
+    return len({k for k, v in zip(g.ins(n), program.nodes[n].eqn.invars)
+                if not isinstance(k, Lit) and tuple(v.aval.shape)}) <= 1
+  absorb(g, region, elementwise, outputs, one_array)
 
   components = _components(program, g, region, pooled, stores, old_key)
   nodes: list[HostUpdateNode] = []
@@ -305,7 +266,7 @@ def _stored_by(program: Program, members: set[int],
   return [k for n in members for k in program.nodes[n].outs if k in stores]
 
 
-def _why_not(program: Program, g: _Graph, key: Any, candidates: set[int],
+def _why_not(program: Program, g: Uses, key: Any, candidates: set[int],
              blocked: dict[int, int]) -> str:
   """Why a stored value is not computed by a host update."""
   n = g.producer.get(key)
@@ -334,7 +295,7 @@ def _why_not(program: Program, g: _Graph, key: Any, candidates: set[int],
   return "its update's work is not elementwise on the leaf"
 
 
-def _components(program: Program, g: _Graph, region: set[int],
+def _components(program: Program, g: Uses, region: set[int],
                 pooled: dict[Any, PoolArray], stores: dict[Any, PoolArray],
                 old_key: dict[int, Any]) -> list[set[int]]:
   """The region split into independent updates: nodes joined where one
@@ -374,7 +335,7 @@ def _components(program: Program, g: _Graph, region: set[int],
   return sorted(groups.values(), key=min)
 
 
-def _make_node(program: Program, g: _Graph, members: set[int],
+def _make_node(program: Program, g: Uses, members: set[int],
                pooled: dict[Any, PoolArray], stores: dict[Any, PoolArray],
                old_key: dict[int, Any], key_paths: dict[Any, str],
                outputs: set[Any]) -> tuple[HostUpdateNode | None, str]:
@@ -445,8 +406,7 @@ def _make_node(program: Program, g: _Graph, members: set[int],
       nodes=[program.nodes[n] for n in sorted(members)], grads=grads,
       scalars=scalars, reads=reads, writes=writes,
       overwritten=sorted(set(overwritten) | set(reads), key=str),
-      layer=layer, pool_id=pools.pop())
-  node._position = last  # where it goes (see _insert)
+      layer=layer, pool_id=pools.pop(), position=last)
   try:  # with stand-ins for the gradients' objects, made later
     compile_program(node, program, {k: -1 for k in grads})
   except _NotOnHost as e:
@@ -461,7 +421,7 @@ def _insert(program: Program, nodes: list[HostUpdateNode]) -> None:
   removed = set()
   index = {id(n): i for i, n in enumerate(program.nodes)}
   for node in nodes:
-    at[node._position].append(node)
+    at[node.position].append(node)
     removed.update(index[id(n)] for n in node.nodes)
   out = []
   for i, n in enumerate(program.nodes):

@@ -25,13 +25,11 @@ from jcxl._src.pool_array import PoolArray
 from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
-
-ELEMENTWISE = frozenset({
-    "abs", "add", "and", "clamp", "convert_element_type", "copy", "copy_p",
-    "div", "eq", "erf", "exp", "expm1", "ge", "gt", "integer_pow", "le",
-    "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
-    "not", "or", "pow", "rsqrt", "select_n", "sign", "sqrt", "square", "sub",
-    "tanh", "broadcast_in_dim"})
+from jcxl._src.offload.regions import ELEMENTWISE
+from jcxl._src.offload.regions import Uses
+from jcxl._src.offload.regions import absorb
+from jcxl._src.offload.regions import full_shape
+from jcxl._src.offload.regions import trim
 
 ROW_BLOCK_BYTES = 4 << 20  # a block of a table's rows, per shard
 ROW_SLICE_MIN_BLOCKS = 4   # smaller tables are updated whole
@@ -56,11 +54,6 @@ class SlicedNode(Node):
 def _layer_axis_unsharded(x: PoolArray) -> bool:
   spec = getattr(x.sharding, "spec", None)
   return not spec or spec[0] is None
-
-
-def _full_shape(node: Node):
-  shapes = {tuple(v.aval.shape) for v in node.eqn.outvars}
-  return shapes.pop() if len(shapes) == 1 else None
 
 
 def block_rows(x: PoolArray) -> int:
@@ -110,21 +103,15 @@ def _slice_group(program: Program, resident: dict[Any, Any],
                  stores: dict[Any, PoolArray], stacked: dict[Any, PoolArray],
                  rows: int) -> set[Any]:
   """One loop over the slices of `stacked` (layers, or blocks of `rows`)."""
-  producer, consumers = {}, collections.defaultdict(set)
-  for n, node in enumerate(program.nodes):
-    for key in node.outs:
-      producer[key] = n
-    for atom in node.ins:
-      key = program.resolve(atom)
-      if not isinstance(key, Lit):
-        consumers[key].add(n)
+  uses = Uses(program)
+  producer, consumers = uses.producer, uses.consumers
   outputs = set(k for k in program.outputs if not isinstance(k, Lit))
   def elementwise(n):
     """Whether node n is elementwise on one [L, ...] shape (and scalars)."""
     node = program.nodes[n]
     if node.eqn is None or node.eqn.primitive.name not in ELEMENTWISE:
       return False
-    shape = _full_shape(node)
+    shape = full_shape(node)
     if not shape:
       return False
     if node.eqn.primitive.name == "broadcast_in_dim":
@@ -145,36 +132,15 @@ def _slice_group(program: Program, resident: dict[Any, Any],
         for a in node.ins if not isinstance(program.resolve(a), Lit)):
       region.add(n)
   # Keep only work whose results stay inside the region or go to the pool.
-  changed = True
-  while changed:
-    changed = False
-    for n in sorted(region):
-      for key in program.nodes[n].outs:
-        escapes = any(c not in region for c in consumers.get(key, ()))
-        returned = key in outputs and not (
-            key in stores and stores[key].shape == _full_shape(
-                program.nodes[n]))
-        if escapes or returned:
-          region.discard(n)
-          changed = True
-          break
+  trim(uses, region, lambda n, key: key in outputs and not (
+      key in stores and stores[key].shape == full_shape(program.nodes[n])))
   # Take in the elementwise work that only feeds the region (e.g. the
   # squared gradients of a second moment): it is sliced too, instead of
   # leaving whole [L, ...] temporaries on the device.
-  changed = True
-  while changed:
-    changed = False
-    for n in range(len(program.nodes) - 1, -1, -1):
-      outs = program.nodes[n].outs
-      if n in region or not elementwise(n) or any(k in outputs for k in outs):
-        continue
-      users = set().union(*(consumers.get(k, set()) for k in outs))
-      if users and users <= region:
-        region.add(n)
-        changed = True
+  absorb(uses, region, elementwise, outputs)
   if not region:
     return set()
-  lengths = {_full_shape(program.nodes[n])[0] for n in region}
+  lengths = {full_shape(program.nodes[n])[0] for n in region}
   last = max(region)
   used = {program.resolve(a) for n in region for a in program.nodes[n].ins}
   pool_keys = sorted((k for k in used if k in stacked), key=str)
