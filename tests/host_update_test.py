@@ -3,6 +3,12 @@ memory, equal to the device update, moving less."""
 
 from __future__ import annotations
 
+import json
+
+from absl import app
+from absl import flags
+from absl.testing import flagsaver
+from experiments import host_update
 import jax
 import jax.numpy as jnp
 import jcxl
@@ -337,19 +343,21 @@ class WithOtherPartsTest:
     assert_close(jcxl.gather(p), ref_p)
 
 
+@pytest.fixture
+def run_program():
+  """Calls experiments.host_update's main with a command line; restores
+  its flags."""
+  saved = flagsaver.save_flag_values(host_update.FLAGS)
+  yield lambda *args: host_update.main(
+      host_update.FLAGS(["host_update", *args]))
+  flagsaver.restore_flag_values(saved, host_update.FLAGS)
+
+
 class ExperimentTest:
 
-  def test_dry_run_measures_every_mode(self, tmp_path, capsys):
-    from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
-    from experiments import host_update
-    saved = flagsaver.save_flag_values(host_update.FLAGS)
+  def test_dry_run_measures_every_mode(self, run_program, tmp_path, capsys):
     json_out = tmp_path / "results.json"
-    try:
-      host_update.main(host_update.FLAGS(
-          ["host_update", "--dry_run", f"--json_out={json_out}"]))
-    finally:
-      flagsaver.restore_flag_values(saved, host_update.FLAGS)
-    import json  # pylint: disable=g-import-not-at-top
+    run_program("--dry_run", f"--json_out={json_out}")
     results = json.loads(json_out.read_text())
     assert set(results["median_step_s"]) == {"resident", "device", "host",
                                              "host_once"}
@@ -365,3 +373,17 @@ class ExperimentTest:
     assert results["loss_max_relative_difference_host_vs_device"] <= 1e-6
     assert "EMULATED" in results["emulation"]
     assert "EMULATED" in capsys.readouterr().out
+
+  def test_a_width_not_in_heads_of_64_is_refused(self, run_program):
+    with pytest.raises(app.UsageError,
+                       match="--n_embd must be a multiple of 64"):
+      run_program("--n_embd=100")
+
+  def test_no_rounds_is_refused(self, run_program):
+    with pytest.raises(flags.IllegalFlagValueError, match="rounds"):
+      run_program("--rounds=0")
+
+  def test_json_out_that_is_a_directory_is_refused(self, run_program,
+                                                   tmp_path):
+    with pytest.raises(app.UsageError, match="is a directory"):
+      run_program("--dry_run", f"--json_out={tmp_path}")
