@@ -153,7 +153,8 @@ void BindResults(nb::module_& m) {
       .def_ro("bytes", &ObjectInfo::bytes)
       .def_ro("slab", &ObjectInfo::slab)
       .def_ro("shape", &ObjectInfo::shape)
-      .def_ro("dtype", &ObjectInfo::dtype);
+      .def_ro("dtype", &ObjectInfo::dtype)
+      .def_ro("copy_of", &ObjectInfo::copy_of);
 
   nb::class_<TransferRecord>(m, "TransferRecord")
       .def_ro("id", &TransferRecord::id)
@@ -469,6 +470,17 @@ NB_MODULE(_jcxl, m) {
            },
            nb::arg("tier"), nb::arg("bytes"), nb::arg("shape"),
            nb::arg("dtype"), nb::arg("timeout_s"))
+      .def("allocate_copy",
+           [](Pool& p, int32_t source, std::string dtype, double timeout_s) {
+             const int64_t timeout_ns = SecondsToNs(timeout_s);
+             StatusOr<int32_t> handle(0);
+             {
+               nb::gil_scoped_release release;
+               handle = p.AllocateCopy(source, std::move(dtype), timeout_ns);
+             }
+             return Unwrap(std::move(handle));
+           },
+           nb::arg("source"), nb::arg("dtype"), nb::arg("timeout_s"))
       .def("free",
            [](Pool& p, int32_t handle, double timeout_s) {
              const int64_t timeout_ns = SecondsToNs(timeout_s);

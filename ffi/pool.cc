@@ -356,6 +356,111 @@ StatusOr<int32_t> Pool::Allocate(TierKind kind, uint64_t bytes,
                                      "(Pool(spill=True) allows it)"));
 }
 
+namespace {
+
+// The elements a shape holds, or -1 if the product overflows int64.
+int64_t ElementsOf(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && n > INT64_MAX / d)) return -1;
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+StatusOr<int32_t> Pool::AllocateCopy(int32_t source, std::string dtype,
+                                     int64_t timeout_ns) {
+  TierKind tier;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  auto program = std::make_shared<UpdateProgram>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    StatusOr<Object*> found = Lookup(source);
+    if (!found.ok()) return found.status();
+    const Object& object = **found;
+    const int64_t elements = ElementsOf(object.shape);
+    StatusOr<UpdateTarget> checked =
+        UpdateTargetOf(source, "the source of a copy", elements);
+    if (!checked.ok()) return checked.status();
+    if (object.copy_of != 0) {
+      return Status(Code::kInvalidArgument,
+                    Label(source, object) + " is itself a copy (of handle " +
+                        std::to_string(object.copy_of) +
+                        "); copy its source");
+    }
+    if (dtype != "float32" && dtype != "bfloat16") {
+      return Status(Code::kInvalidArgument,
+                    "a copy is float32 or bfloat16, not " + dtype);
+    }
+    tier = static_cast<TierKind>(object.tier);
+    shape = object.shape;
+    bytes = static_cast<uint64_t>(elements) * (dtype == "float32" ? 4 : 2);
+    program->num_elements = elements;
+    program->inputs.push_back(UpdateInput{});
+    program->inputs[0].handle = source;
+  }
+  StatusOr<int32_t> handle =
+      Allocate(tier, bytes, shape, dtype, timeout_ns);
+  if (!handle.ok()) return handle;
+  std::lock_guard<std::mutex> lock(mu_);
+  StatusOr<Object*> found = Lookup(*handle);
+  if (!found.ok()) return found.status();
+  program->outputs.push_back(UpdateOutput{0, *handle});
+  (*found)->copy_of = source;
+  (*found)->refresh = std::move(program);
+  return handle;
+}
+
+Status Pool::RefreshIfStale(int32_t handle) {
+  std::unique_lock<std::mutex> lock(mu_);
+  StatusOr<Object*> found = Lookup(handle);
+  if (!found.ok() || (*found)->copy_of == 0) return Status::Ok();
+  const Object& copy = **found;
+  StatusOr<Object*> source = Lookup(copy.copy_of);
+  if (!source.ok()) {
+    return Status(Code::kNotFound,
+                  Label(handle, copy) + " is a copy of handle " +
+                      std::to_string(copy.copy_of) +
+                      ", which was freed: it can no longer be read");
+  }
+  if (copy.copied_writes == (*source)->writes) return Status::Ok();
+  const uint64_t writes = (*source)->writes;
+  std::shared_ptr<UpdateRun> run = copy.refreshing;
+  if (run == nullptr || copy.refreshing_writes != writes) {
+    StatusOr<std::shared_ptr<UpdateRun>> started =
+        StartProgram(lock, copy.refresh, 0, {});
+    if (!started.ok()) return started.status();
+    run = *started;
+    (*found)->refreshing = run;
+    (*found)->refreshing_writes = writes;
+  }
+  lock.unlock();
+  Status status = run->Wait(kMaxTimeoutNs);
+  if (!status.ok()) {
+    return Status(status.code(), "refreshing the copy " +
+                                     std::to_string(handle) + ": " +
+                                     status.message());
+  }
+  lock.lock();
+  found = Lookup(handle);
+  if (found.ok() && (*found)->refreshing == run) {
+    (*found)->copied_writes = writes;
+    (*found)->refreshing = nullptr;
+  }
+  return Status::Ok();
+}
+
+Status Pool::CheckWritable(int32_t handle, const Object& object) {
+  if (object.copy_of == 0) return Status::Ok();
+  return Status(Code::kInvalidArgument,
+                Label(handle, object) + " is a copy the pool keeps of handle " +
+                    std::to_string(object.copy_of) +
+                    "; write the source (the copy follows it)");
+}
+
 Status Pool::WaitUnpinned(std::unique_lock<std::mutex>& lock,
                           int64_t timeout_ns, int64_t index) {
   // By index, not by pointer: while the lock is released, the object may
@@ -454,6 +559,9 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
   StatusOr<Object*> found = LookupRange(lock, handle, bytes, offset);
   if (!found.ok()) return found.status();
   Object* object = *found;
+  if (direction == Direction::kToPool) {
+    JCXL_RETURN_IF_ERROR(CheckWritable(handle, *object));
+  }
   if (bytes > 0 && buffer == nullptr) {
     return Status(Code::kInvalidArgument, "null buffer for handle " +
                                               std::to_string(handle));
@@ -489,10 +597,16 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Transfer(
 
 StatusOr<DirectRange> Pool::BeginDirect(int32_t handle, uint64_t bytes,
                                         uint64_t offset, Direction direction) {
+  if (direction == Direction::kFromPool) {
+    JCXL_RETURN_IF_ERROR(RefreshIfStale(handle));
+  }
   std::unique_lock<std::mutex> lock(mu_);
   StatusOr<Object*> found = LookupRange(lock, handle, bytes, offset);
   if (!found.ok()) return found.status();
   Object* object = *found;
+  if (direction == Direction::kToPool) {
+    JCXL_RETURN_IF_ERROR(CheckWritable(handle, *object));
+  }
   Tier& tier = tiers_[object->tier];
   TierArena& arena = tier.arenas[object->arena];
   if (arena.arena->base() == nullptr || tier.link) {
@@ -553,7 +667,10 @@ void Pool::Unpin(uint32_t index, int tier, Direction direction,
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = objects_.find(index);
-    if (it != objects_.end()) --it->second.pins;  // pinned: never freed
+    if (it != objects_.end()) {  // pinned: never freed
+      --it->second.pins;
+      if (direction == Direction::kToPool) ++it->second.writes;
+    }
     --total_pins_;
     if (direction == Direction::kFromPool) {
       tiers_[tier].bytes_read += bytes;
@@ -578,6 +695,7 @@ StatusOr<std::shared_ptr<Ticket>> Pool::Read(int32_t handle, void* dst,
                                              int priority,
                                              uint64_t chunk_bytes,
                                              std::shared_ptr<void> owner) {
+  JCXL_RETURN_IF_ERROR(RefreshIfStale(handle));
   return Transfer(handle, dst, bytes, offset, priority, chunk_bytes,
                   Direction::kFromPool, std::move(owner));
 }
@@ -598,6 +716,7 @@ ObjectInfo Pool::InfoOf(int32_t handle, const Object& object) {
   info.offset = arena.allocator->OffsetOf(object.allocation);
   info.bytes = object.allocation.bytes;
   info.slab = object.allocation.is_slab();
+  info.copy_of = object.copy_of;
   info.shape = object.shape;
   info.dtype = object.dtype;
   return info;
@@ -750,20 +869,6 @@ uint64_t Pool::faults_injected() {
   return engine_ ? engine_->faults_injected() : 0;
 }
 
-namespace {
-
-// The elements a shape holds, or -1 if the product overflows int64.
-int64_t ElementsOf(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    if (d < 0 || (d > 0 && n > INT64_MAX / d)) return -1;
-    n *= d;
-  }
-  return n;
-}
-
-}  // namespace
-
 StatusOr<UpdateTarget> Pool::UpdateTargetOf(int32_t handle,
                                             const std::string& role,
                                             int64_t elements) {
@@ -833,11 +938,26 @@ StatusOr<int32_t> Pool::RegisterUpdate(UpdateProgram program) {
     if (!target.ok()) return target.status();
   }
   for (size_t o = 0; o < program.outputs.size(); ++o) {
-    StatusOr<UpdateTarget> target =
-        UpdateTargetOf(program.outputs[o].handle,
-                       "update program: output " + std::to_string(o),
-                       program.num_elements);
+    const UpdateOutput& out = program.outputs[o];
+    StatusOr<UpdateTarget> target = UpdateTargetOf(
+        out.handle, "update program: output " + std::to_string(o),
+        program.num_elements);
     if (!target.ok()) return target.status();
+    const Object& object = objects_.at(IndexOf(out.handle));
+    const bool with_source = std::any_of(
+        program.outputs.begin(), program.outputs.end(),
+        [&](const UpdateOutput& other) {
+          return other.handle == object.copy_of && other.reg == out.reg;
+        });
+    if (object.copy_of != 0 && !with_source) {
+      return Status(Code::kInvalidArgument,
+                    "update program: output " + std::to_string(o) + ": " +
+                        Label(out.handle, object) +
+                        " is a copy the pool keeps of handle " +
+                        std::to_string(object.copy_of) +
+                        "; a program may write it only from the register "
+                        "it writes the source from");
+    }
   }
   if (next_update_id_ == INT32_MAX) {
     return Status(Code::kExhausted, "pool " + std::to_string(id_) +
@@ -878,8 +998,17 @@ StatusOr<std::shared_ptr<UpdateRun>> Pool::StartUpdate(
                                        std::to_string(id_) +
                                        " (released, or never registered)");
   }
-  const UpdateProgram& program = *it->second;
-  const std::string name = "update program " + std::to_string(id);
+  return StartProgram(lock, it->second, id, std::move(scalars));
+}
+
+StatusOr<std::shared_ptr<UpdateRun>> Pool::StartProgram(
+    std::unique_lock<std::mutex>& lock,
+    std::shared_ptr<const UpdateProgram> shared, int32_t id,
+    std::vector<float> scalars) {
+  (void)lock;  // held
+  const UpdateProgram& program = *shared;
+  const std::string name =
+      id == 0 ? "the refresh of a copy" : "update program " + std::to_string(id);
   if (scalars.size() != static_cast<size_t>(program.num_scalars)) {
     return Status(Code::kInvalidArgument,
                   name + " takes " + std::to_string(program.num_scalars) +
@@ -887,7 +1016,7 @@ StatusOr<std::shared_ptr<UpdateRun>> Pool::StartUpdate(
                       std::to_string(scalars.size()));
   }
   UpdateJob job;
-  job.program = it->second;
+  job.program = std::move(shared);
   job.program_id = id;
   job.scalars = std::move(scalars);
   job.in.resize(program.inputs.size());
@@ -932,12 +1061,34 @@ StatusOr<std::shared_ptr<UpdateRun>> Pool::StartUpdate(
                                  &job.out[o]));
   }
   job.node = node < 0 ? -1 : node;
-  job.on_complete = [this, pinned](const Status&) {
+  // What it writes, and the copies it writes beside their sources (fresh
+  // once it succeeds: RegisterUpdate checked they come from one register).
+  std::vector<uint32_t> written;
+  std::vector<std::pair<uint32_t, uint32_t>> copies;  // (copy, source)
+  for (const UpdateOutput& out : program.outputs) {
+    written.push_back(IndexOf(out.handle));
+    const int32_t source = objects_.at(IndexOf(out.handle)).copy_of;
+    if (source != 0 && id != 0) {
+      copies.emplace_back(IndexOf(out.handle), IndexOf(source));
+    }
+  }
+  job.on_complete = [this, pinned, written, copies](const Status& status) {
     {
       std::lock_guard<std::mutex> relock(mu_);
       for (uint32_t index : pinned) {
         auto found = objects_.find(index);
         if (found != objects_.end()) --found->second.pins;
+      }
+      for (uint32_t index : written) {
+        auto found = objects_.find(index);
+        if (found != objects_.end()) ++found->second.writes;
+      }
+      for (const auto& [copy, source] : copies) {
+        auto c = objects_.find(copy);
+        auto s = objects_.find(source);
+        if (status.ok() && c != objects_.end() && s != objects_.end()) {
+          c->second.copied_writes = s->second.writes;
+        }
       }
       total_pins_ -= static_cast<int>(pinned.size());
     }

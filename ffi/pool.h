@@ -71,6 +71,7 @@ struct ObjectInfo {
   bool slab = false;
   std::vector<int64_t> shape;
   std::string dtype;
+  int32_t copy_of = 0;  // a copy the pool keeps (AllocateCopy): its source
 };
 
 // Bytes of a memory-tier object lent to a DMA engine outside the pool (a
@@ -124,6 +125,15 @@ class Pool {
   StatusOr<int32_t> Allocate(TierKind tier, uint64_t bytes,
                              std::vector<int64_t> shape, std::string dtype,
                              int64_t timeout_ns = kMaxTimeoutNs);
+  // A copy of object `source` in `dtype` ("float32" or "bfloat16", the
+  // source too), in the source's tier, that the pool keeps equal to the
+  // source converted (round to nearest even): a read of the copy after the
+  // source was written by anything else first converts the source anew.
+  // An update program that writes the source may write the copy from the
+  // same register (one pass, the copy then fresh); nothing else may write
+  // it. Lets a device fetch bfloat16 weights of float32 master weights.
+  StatusOr<int32_t> AllocateCopy(int32_t source, std::string dtype,
+                                 int64_t timeout_ns = kMaxTimeoutNs);
   // Frees an object once its transfers in flight are done.
   Status Free(int32_t handle, int64_t timeout_ns);
   // Starts a copy of `bytes` from `src` into the object at byte `offset`.
@@ -218,7 +228,19 @@ class Pool {
     std::vector<int64_t> shape;
     std::string dtype;
     int pins = 0;  // transfers in flight
+    uint64_t writes = 0;  // writes of its bytes completed: a generation
+    // A copy (AllocateCopy): its source, the source's `writes` it holds
+    // (kStale: none yet), and the program that converts the source into it.
+    int32_t copy_of = 0;
+    uint64_t copied_writes = kStale;
+    std::shared_ptr<const UpdateProgram> refresh;
+    // The refresh in flight and the source's `writes` it converts: readers
+    // that find the same source wait for it instead of writing the copy
+    // again under each other's reads.
+    std::shared_ptr<UpdateRun> refreshing;
+    uint64_t refreshing_writes = kStale;
   };
+  static constexpr uint64_t kStale = UINT64_MAX;
 
   explicit Pool(const PoolConfig& config);
   Status Init();
@@ -237,6 +259,16 @@ class Pool {
                                              Direction direction,
                                              std::shared_ptr<void> owner);
   void Unpin(uint32_t index, int tier, Direction direction, uint64_t bytes);
+  // Before a read of `handle`: a copy whose source was written since it was
+  // made is converted anew (waiting for the update workers).
+  Status RefreshIfStale(int32_t handle);
+  // Refuses a write of a copy by anything but the pool; caller holds mu_.
+  Status CheckWritable(int32_t handle, const Object& object);
+  // Starts a run of `program` (`id` 0: the pool's own); `lock` holds mu_.
+  StatusOr<std::shared_ptr<UpdateRun>> StartProgram(
+      std::unique_lock<std::mutex>& lock,
+      std::shared_ptr<const UpdateProgram> program, int32_t id,
+      std::vector<float> scalars);
   // Waits for the transfers of object `index` (all objects if negative).
   Status WaitUnpinned(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
                       int64_t index);

@@ -391,6 +391,53 @@ class BFloat16Test:
     assert_bits_equal(pool.get(out), x.astype(bf16), "f32 -> bf16")
 
 
+class CopyTest:
+  """Pool.allocate_copy: a bfloat16 copy the pool keeps of an object."""
+
+  @pytest.mark.parametrize("tier", ["host", "cxl"])
+  def test_a_copy_follows_every_write_of_its_source(self, pool, tier):
+    (x,) = grid(1)
+    h = pool.put(x, tier)
+    c = pool.allocate_copy(h, bf16)
+    info = pool.info(c)
+    assert (info.copy_of, info.tier.value, info.dtype) == (h, tier, bf16)
+    assert_bits_equal(pool.get(c), x.astype(bf16), "made")
+    y = np.random.default_rng(3).normal(size=x.shape).astype(f32)
+    pool.put_async(h, y).wait()
+    assert_bits_equal(pool.get(c), y.astype(bf16), "after a put")
+    g = pool.put(np.full(x.shape, 0.5, f32), tier)
+    both = pool.register_update(up.Program(
+        x.size, 0, [up.Input.object(h), up.Input.object(g)],
+        [up.Instr(op=Op.SUB, a=0, b=1)],
+        [up.Output(2, h), up.Output(2, c)]))
+    pool.run_update(both).wait()
+    runs = pool.update_stats().runs
+    assert_bits_equal(pool.get(c), (y - f32(0.5)).astype(bf16), "updated")
+    assert pool.update_stats().runs == runs  # written fresh: no refresh
+
+  def test_what_a_copy_refuses(self, pool):
+    h = pool.put(np.ones(64, f32), "host")
+    c = pool.allocate_copy(h, bf16)
+    with pytest.raises(ValueError, match="is a copy the pool keeps of "
+                       f"handle {h}; write the source"):
+      pool.put_async(c, np.zeros(64, bf16)).wait()
+    with pytest.raises(ValueError, match="only from the register it writes "
+                       "the source from"):
+      pool.register_update(up.Program(
+          64, 0, [up.Input.object(h)], [up.Instr(op=Op.NEG, a=0)],
+          [up.Output(1, h), up.Output(0, c)]))
+    with pytest.raises(ValueError, match="is itself a copy"):
+      pool.allocate_copy(c, bf16)
+    with pytest.raises(ValueError, match="not float16"):
+      pool.allocate_copy(h, np.float16)
+    with pytest.raises(ValueError, match="holds int32"):
+      pool.allocate_copy(pool.put(np.ones(4, np.int32), "host"), bf16)
+    pool.free(h)
+    with pytest.raises(errors.UnknownHandleError,
+                       match=f"is a copy of handle {h}, which was freed"):
+      pool.get(c)
+
+
 class ErrorsTest:
 
   def test_register_refuses_bad_objects(self, pool):

@@ -67,6 +67,14 @@ def mlp(scan: bool):
   return params, loss_fn
 
 
+def _bf16_compute(loss_fn):
+  """`loss_fn` computing in bfloat16 from float32 master weights."""
+  def bf16_loss(p, x):
+    p16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+    return loss_fn(p16, x.astype(jnp.bfloat16)).astype(jnp.float32)
+  return bf16_loss
+
+
 def batches(n, shape=(BATCH, DIM)):
   rng = np.random.default_rng(1)
   return [rng.normal(size=shape).astype(np.float32) for _ in range(n)]
@@ -215,10 +223,7 @@ class TrafficTest:
 
   def test_bfloat16_compute_sends_bfloat16_gradients(self, pool):
     params, loss_fn = mlp(scan=False)
-
-    def bf16_loss(p, x):  # float32 master weights, bfloat16 compute
-      p16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
-      return loss_fn(p16, x.astype(jnp.bfloat16)).astype(jnp.float32)
+    bf16_loss = _bf16_compute(loss_fn)
     n = sum(x.size for x in jax.tree.leaves(params))
     data = batches(4)
     _, dev_losses, dev_p, _ = run(pool, params, bf16_loss, optax.adamw(1e-2),
@@ -257,6 +262,32 @@ class TrafficTest:
     # Weights in once (and the step count), gradients out.
     assert after.bytes_read - before.bytes_read == 4 * n + 4
     assert after.bytes_written - before.bytes_written == 4 * n + 4
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(jcxl.gather(p), dev_p)
+
+  def test_bfloat16_weights_and_gradients_move_four_bytes(self, pool):
+    params, loss_fn = mlp(scan=False)
+    bf16_loss = _bf16_compute(loss_fn)
+    tx = optax.adamw(1e-2)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    data = batches(3)
+    _, dev_losses, dev_p, _ = run(pool, params, bf16_loss, tx, data, "device")
+    step = jcxl.cxl_offload(make_step(bf16_loss, tx), update="host",
+                            refetch=False)
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    losses = []
+    for x in data:
+      before = pool.stats()["cxl"]
+      p, s, loss = step(p, s, x)
+      losses.append(float(loss))
+      after = pool.stats()["cxl"]
+    # bfloat16 copies of the weights in (and the step count), bfloat16
+    # gradients out.
+    assert after.bytes_read - before.bytes_read == 2 * n + 4
+    assert after.bytes_written - before.bytes_written == 2 * n + 4
+    assert any(u.startswith("weight copies: 7 float32 weights fetched as "
+                            "bfloat16") for u in step.plan.updates)
     np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
     assert_close(jcxl.gather(p), dev_p)
 
@@ -341,6 +372,87 @@ class WithOtherPartsTest:
       resumed.append(float(loss))
     np.testing.assert_allclose(resumed, losses[3:], rtol=1e-6)
     assert_close(jcxl.gather(p), ref_p)
+
+
+class WeightCopiesTest:
+  """bfloat16 copies of float32 master weights: the same bits as the cast
+  they replace, kept fresh whatever writes the master."""
+
+  @pytest.mark.parametrize("tier", ["cxl", "nvme"])
+  def test_copies_compute_the_device_update_bit_for_bit(self, tier):
+    params, loss_fn = mlp(scan=False)
+    bf16_loss = _bf16_compute(loss_fn)
+    tx = lambda: optax.sgd(5e-2, momentum=0.9)
+    data = batches(STEPS)
+    with jcxl.Pool(host="64MiB", cxl="64MiB", nvme="64MiB") as pool:
+      _, dev_losses, dev_p, dev_s = run(pool, params, bf16_loss, tx(), data,
+                                        "device", tier=tier)
+      step, losses, p, s = run(pool, params, bf16_loss, tx(), data, "host",
+                               tier=tier)
+    assert any(u.startswith("weight copies: 7 ") for u in step.plan.updates)
+    assert losses == dev_losses
+    for x, y in zip(jax.tree.leaves((p, s)), jax.tree.leaves((dev_p, dev_s))):
+      np.testing.assert_array_equal(x, y)
+
+  def test_a_master_written_elsewhere_is_what_the_step_reads(self, pool,
+                                                             tmp_path):
+    params, loss_fn = mlp(scan=False)
+    bf16_loss = _bf16_compute(loss_fn)
+    tx = optax.adamw(1e-2)
+    data = batches(6)
+    step = jcxl.cxl_offload(make_step(bf16_loss, tx), update="host")
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    for x in data[:3]:
+      p, s, _ = step(p, s, x)
+    path = jcxl.checkpoint.save(tmp_path / "ckpt", {"p": p, "s": s})
+    first = []
+    for x in data[3:]:
+      p, s, loss = step(p, s, x)
+      first.append(float(loss))
+    # The masters go back three steps; their copies hold the newer weights
+    # until read.
+    jcxl.checkpoint.restore_into(path, {"p": p, "s": s})
+    again = []
+    for x in data[3:]:
+      p, s, loss = step(p, s, x)
+      again.append(float(loss))
+    assert again == first
+    # And a step with its update on the device writes the masters too.
+    device_step = jcxl.cxl_offload(make_step(bf16_loss, tx))
+    jcxl.checkpoint.restore_into(path, {"p": p, "s": s})
+    p, s, loss = device_step(p, s, data[3])
+    p, s, loss = step(p, s, data[4])
+    ref = jcxl.cxl_offload(make_step(bf16_loss, tx), update="host")
+    q, t = jcxl.checkpoint.restore(path, like={"p": p, "s": s}).values()
+    q, t, _ = device_step(q, t, data[3])
+    np.testing.assert_allclose(float(loss), float(ref(q, t, data[4])[2]),
+                               rtol=1e-6)
+
+  def test_a_pool_without_room_for_the_copies_fetches_the_masters(
+      self, pool, monkeypatch):
+    def full(*args, **kwargs):
+      raise jcxl.PoolExhaustedError("no room (test)")
+    monkeypatch.setattr(jcxl.Pool, "allocate_copy", full)
+    params, loss_fn = mlp(scan=False)
+    bf16_loss = _bf16_compute(loss_fn)
+    data = batches(3)
+    _, dev_losses, _, _ = run(pool, params, bf16_loss, optax.adamw(1e-2),
+                              data, "device")
+    step, losses, _, _ = run(pool, params, bf16_loss, optax.adamw(1e-2),
+                             data, "host", refetch=False)
+    assert not any("weight copies" in u for u in step.plan.updates)
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+
+  def test_a_weight_also_read_in_float32_has_no_copy(self, pool):
+    params, loss_fn = mlp(scan=False)
+
+    def mixed(p, x):  # the head's weight is read in float32 too
+      return (_bf16_compute(loss_fn)(p, x) +
+              1e-3 * jnp.sum(p["head"]["w"] ** 2))
+    step, _, _, _ = run(pool, params, mixed, optax.adamw(1e-2), batches(1),
+                        "host")
+    assert any(u.startswith("weight copies: 6 ") for u in step.plan.updates)
 
 
 @pytest.fixture

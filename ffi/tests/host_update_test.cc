@@ -484,6 +484,123 @@ TEST(ConcurrentStartersFreersAndAllocators) {
   CHECK_EQ(pool->update_stats().runs, uint64_t(kThreads * kRuns));
 }
 
+// bfloat16 of a float32, round to nearest even (the copies' conversion).
+uint16_t Bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bits >> 16) | 0x40;  // NaN
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+}
+
+bool CopyHolds(Pool& pool, int32_t copy, const std::vector<float>& source) {
+  const int64_t n = static_cast<int64_t>(source.size());
+  std::vector<uint16_t> got(n);
+  StatusOr<std::shared_ptr<Ticket>> ticket =
+      pool.Read(copy, got.data(), n * 2, 0, 0, 0);
+  CHECK_OK(ticket);
+  CHECK_OK((*ticket)->Wait(kLongWaitNs));
+  for (int64_t k = 0; k < n; ++k) {
+    if (got[k] != Bf16(source[k])) return false;
+  }
+  return true;
+}
+
+TEST(CopiesFollowTheirSourceWhateverWritesIt) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(Tiers(dir.path()));
+  const int64_t n = 100'003;
+  for (TierKind tier : {TierKind::kHost, TierKind::kCxl, TierKind::kNvme}) {
+    std::vector<float> w = Iota(n, 0.37f);
+    const int32_t source = Put(*pool, tier, w);
+    StatusOr<int32_t> copy = pool->AllocateCopy(source, "bfloat16");
+    CHECK_OK(copy);
+    StatusOr<ObjectInfo> info = pool->Info(*copy);
+    CHECK_OK(info);
+    CHECK_EQ(info->copy_of, source);
+    CHECK_EQ(info->tier, tier);
+    CHECK(CopyHolds(*pool, *copy, w));  // made on its first read
+    // A write of part of the source.
+    std::vector<float> part(1000, -3.25f);
+    auto ticket = pool->Write(source, part.data(), 4000, 400, 0, 0);
+    CHECK_OK(ticket);
+    CHECK_OK((*ticket)->Wait(kLongWaitNs));
+    std::fill(w.begin() + 100, w.begin() + 1100, -3.25f);
+    CHECK(CopyHolds(*pool, *copy, w));
+    // A program writing the source and the copy from one register leaves
+    // the copy fresh: reading it runs nothing more.
+    const int32_t g = Put(*pool, tier, std::vector<float>(n, 0.5f));
+    UpdateProgram both;
+    both.num_elements = n;
+    both.inputs = {{Kind::kObject, source}, {Kind::kObject, g}};
+    both.code = {{Op::kSub, 0, 1}};
+    both.outputs = {{2, source}, {2, *copy}};
+    StatusOr<int32_t> id = pool->RegisterUpdate(both);
+    CHECK_OK(id);
+    auto run = pool->StartUpdate(*id, {});
+    CHECK_OK(run);
+    CHECK_OK((*run)->Wait(kLongWaitNs));
+    for (float& x : w) x -= 0.5f;
+    const uint64_t runs = pool->update_stats().runs;
+    CHECK(CopyHolds(*pool, *copy, w));
+    CHECK_EQ(pool->update_stats().runs, runs);
+    // One writing only the source leaves it stale, refreshed when read.
+    UpdateProgram only = both;
+    only.outputs = {{2, source}};
+    StatusOr<int32_t> only_id = pool->RegisterUpdate(only);
+    CHECK_OK(only_id);
+    run = pool->StartUpdate(*only_id, {});
+    CHECK_OK(run);
+    CHECK_OK((*run)->Wait(kLongWaitNs));
+    for (float& x : w) x -= 0.5f;
+    CHECK(CopyHolds(*pool, *copy, w));
+    CHECK_EQ(pool->update_stats().runs, runs + 2);
+    // Nothing else writes a copy.
+    std::vector<uint16_t> zeros(n);
+    CHECK_CODE(pool->Write(*copy, zeros.data(), n * 2, 0, 0, 0),
+               Code::kInvalidArgument);
+    UpdateProgram other = both;
+    other.outputs = {{2, source}, {0, *copy}};
+    CHECK_CODE(pool->RegisterUpdate(other), Code::kInvalidArgument);
+    CHECK_CODE(pool->AllocateCopy(*copy, "bfloat16"), Code::kInvalidArgument);
+    CHECK_CODE(pool->AllocateCopy(source, "float16"), Code::kInvalidArgument);
+    CHECK_OK(pool->ReleaseUpdate(*id));
+    CHECK_OK(pool->ReleaseUpdate(*only_id));
+    // A copy of a freed source can no longer be read.
+    CHECK_OK(pool->Free(source, kLongWaitNs));
+    CHECK_CODE(pool->Read(*copy, zeros.data(), n * 2, 0, 0, 0),
+               Code::kNotFound);
+    CHECK_OK(pool->Free(*copy, kLongWaitNs));
+    CHECK_OK(pool->Free(g, kLongWaitNs));
+  }
+}
+
+TEST(ReadersOfAStaleCopyShareOneRefresh) {
+  // Several readers of a copy whose source was just written (under
+  // ThreadSanitizer): one refresh serves them all, and none writes the
+  // copy while another reads it.
+  std::shared_ptr<Pool> pool = NewPool(Tiers(""));
+  const int64_t n = 50'000;
+  const int32_t source = Put(*pool, TierKind::kHost, std::vector<float>(n, 0));
+  StatusOr<int32_t> copy = pool->AllocateCopy(source, "bfloat16");
+  CHECK_OK(copy);
+  std::atomic<bool> failed{false};
+  for (int round = 1; round <= 20; ++round) {
+    std::vector<float> v(n, static_cast<float>(round));
+    auto ticket = pool->Write(source, v.data(), n * 4, 0, 0, 0);
+    CHECK_OK(ticket);
+    CHECK_OK((*ticket)->Wait(kLongWaitNs));
+    std::vector<std::thread> readers;
+    for (int r = 0; r < 3; ++r) {
+      readers.emplace_back([&] {
+        if (!CopyHolds(*pool, *copy, v)) failed = true;
+      });
+    }
+    for (std::thread& t : readers) t.join();
+  }
+  CHECK(!failed);
+  CHECK_GE(pool->update_stats().runs, 20u);  // one a round at least
+}
+
 TEST(CpuListsParse) {
   CHECK(numa::ParseCpuList("0-3,8,10-11\n") ==
         (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));

@@ -159,6 +159,7 @@ class ObjectInfo:
   shape: tuple[int, ...]
   dtype: np.dtype
   slab: bool
+  copy_of: int = 0  # a copy the pool keeps (`allocate_copy`): its source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -725,6 +726,26 @@ class Pool:
     return self._pool.allocate(tier.index, nbytes, list(shape),
                                dtype.name, self._timeout_s)
 
+  def allocate_copy(self, handle: int, dtype: Any) -> int:
+    """A copy of object `handle` (float32 or bfloat16) in `dtype` (float32
+    or bfloat16), in its tier, that the pool keeps equal to it converted
+    (round to nearest even); returns the copy's handle.
+
+    A read of the copy after the source was written converts the source
+    anew, whatever wrote it (a `put`, a restore, a step's store); an
+    update program writing the source may write the copy from the same
+    register, which leaves it fresh. Nothing else may write the copy. This
+    is how a device fetches bfloat16 weights of float32 master weights
+    (``cxl_offload(update='host')``: see docs/host-update.md).
+
+    Raises:
+      UnknownHandleError: `handle` is not this pool's (or was freed).
+      ValueError: the source is not float32 or bfloat16, is itself a copy,
+        or `dtype` is neither.
+    """
+    return self._pool.allocate_copy(_as_handle(handle),
+                                    np.dtype(dtype).name, self._timeout_s)
+
   def put(self, array: Any, tier: str | Tier = "cxl", *,
           priority: int = 0) -> int:
     """Stores a copy of `array` in `tier`; returns its handle.
@@ -853,7 +874,8 @@ class Pool:
     return ObjectInfo(handle=raw.handle, tier=_TIERS_BY_INDEX[raw.tier],
                       node=raw.node, offset=raw.offset, nbytes=raw.bytes,
                       shape=tuple(raw.shape),
-                      dtype=_dtype_from_name(raw.dtype), slab=raw.slab)
+                      dtype=_dtype_from_name(raw.dtype), slab=raw.slab,
+                      copy_of=raw.copy_of)
 
   def handles(self) -> list[int]:
     return list(self._pool.handles())

@@ -22,6 +22,7 @@ from jcxl._src import shardings as shardings_lib
 from jcxl._src.dap import costmodel
 from jcxl._src.offload import host_runs
 from jcxl._src.offload import host_update
+from jcxl._src.offload import weight_copies
 from jcxl._src.offload.clusters import FetchClusters
 from jcxl._src.offload.host_update import HostUpdateNode
 from jcxl._src.offload.program import Lit
@@ -244,9 +245,9 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
         stores[key] = target
     elif j < num_out:  # the arguments as left: written, never returned
       returned.append((j, key, target))
+  returned_keys = {key for _, key, _ in returned if not isinstance(key, Lit)}
   found, device_why = host_update.find(
-      program, resident, stores, key_paths,
-      {key for _, key, _ in returned if not isinstance(key, Lit)}, update)
+      program, resident, stores, key_paths, returned_keys, update)
   chosen, update_paths = host_runs.choose(
       found, update, lambda t: tier_links([t])[t.tier.value],
       host_runs.measured_rates)
@@ -263,12 +264,15 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
     else:
       update_paths[layer] = f"device: {why}"
   host_update.apply(program, stores, chosen)
+  weight_copies.find(program, chosen, resident, returned_keys)
   for node in chosen:
     if bind is not None:
       bind.bind(node, program)
     else:
       node.staging = {k: host_runs.virtual_staging(node, k)
                       for k in node.grads}
+      host_runs.virtual_copies(node)
+  weight_copies.apply(program, chosen, resident, values, key_paths)
   for key in slice_state_updates(program, resident, stores):
     del stores[key]  # the sliced loop stores these, layer by layer
   fetches = FetchClusters(program, resident, key_paths, refetch)

@@ -22,6 +22,7 @@ from jcxl._src.dap import costmodel
 from jcxl._src.offload import host_update
 from jcxl._src.offload.host_update import HostUpdateNode
 from jcxl._src.offload.program import Program
+from jcxl._src.errors import PoolExhaustedError
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.units import format_bytes
@@ -92,31 +93,66 @@ class HostUpdates:
     self._finalizer = weakref.finalize(self, _release, self._made)
 
   def bind(self, node: HostUpdateNode, program: Program) -> None:
-    """Gives `node` its gradients' objects and its program's id."""
+    """Gives `node` its gradients' objects, its weight copies' objects and
+    its program's id. A copy the pool has no room for is left out: that
+    weight comes in as float32."""
     pool = registry.find_pool(node.pool_id, what="a host update's state")
-    key = (node.pool_id, repr(host_update.compile_program(
-        node, program, {k: -1 for k in node.grads})),
-           tuple((tuple(k[1].aval.shape), str(k[1].aval.dtype))
-                 for k in node.grads))
+    key = _key(node, program)
     made = self._made.get(key)
     if made is None:
-      staging = {}
-      try:
-        for j, k in enumerate(node.grads):
-          staging[j] = _staging(pool, node, k)
-        program_id = pool.register_update(host_update.compile_program(
-            node, program, {k: staging[j].local_handles[0][1]
-                            for j, k in enumerate(node.grads)}))
-      except BaseException:
-        for x in staging.values():
-          pool.free(x.local_handles[0][1])
-        raise
-      made = self._made[key] = (staging, program_id)
-    staging, node.program_id = made
+      made = _make(pool, node, program)
+      key = _key(node, program)  # less the copies left out
+      self._made[key] = made
+    staging, copies, node.program_id = made
     node.staging = {k: staging[j] for j, k in enumerate(node.grads)}
+    node.copies = [c for c in node.copies if c.source in copies]
+    for c in node.copies:
+      c.copy = copies[c.source]
 
   def close(self) -> None:
     self._finalizer()
+
+
+def _key(node: HostUpdateNode, program: Program) -> Any:
+  """What a host update's objects and program are made for: its pool,
+  its program (with stand-ins for its objects) and its gradients."""
+  return (node.pool_id, repr(host_update.compile_program(
+      node, program, {k: -1 for k in node.grads})),
+          tuple((tuple(k[1].aval.shape), str(k[1].aval.dtype))
+                for k in node.grads))
+
+
+def _make(pool: Any, node: HostUpdateNode, program: Program
+          ) -> tuple[dict[int, PoolArray], dict[Any, PoolArray], int]:
+  """A host update's gradient objects, weight copies (by master key) and
+  registered program; everything made is freed if a part fails."""
+  staging, copies = {}, {}
+  try:
+    for j, k in enumerate(node.grads):
+      staging[j] = _staging(pool, node, k)
+    for c in list(node.copies):
+      try:
+        c.copy = copies[c.source] = _copy(pool, c)
+      except PoolExhaustedError:
+        node.copies.remove(c)
+    program_id = pool.register_update(host_update.compile_program(
+        node, program, {k: staging[j].local_handles[0][1]
+                        for j, k in enumerate(node.grads)}))
+  except BaseException:
+    for x in list(staging.values()) + list(copies.values()):
+      pool.free(x.local_handles[0][1])
+    raise
+  return staging, copies, program_id
+
+
+def _copy(pool: Any, c: Any) -> PoolArray:
+  """A copy the pool keeps of master weight `c.target`, in `c.dtype`."""
+  t = c.target
+  return placement.store_shards(
+      None, pool=pool, tier=t.tier, sharding=t.sharding, shape=t.shape,
+      dtype=c.dtype, path=f"{t.path} ({c.dtype} copy)",
+      make_object=lambda device: pool.allocate_copy(
+          t.local_handles[0][1], c.dtype))
 
 
 def _staging(pool: Any, node: HostUpdateNode, key: Any) -> PoolArray:
@@ -140,20 +176,29 @@ def virtual_staging(node: HostUpdateNode, key: Any) -> PoolArray:
   """A stand-in for a gradient's object where a step is only planned."""
   target = next(iter(node.writes.values()))
   aval = key[1].aval
-  return PoolArray(np.full((1,), -1, np.int32), pool_id=-1,
-                   shape=aval.shape, dtype=aval.dtype,
-                   sharding=target.sharding, tier=target.tier,
-                   path=f"{target.path} (gradient)",
-                   local_handles=((-1, -1),))
+  return _virtual(target, aval.shape, aval.dtype, "gradient")
+
+
+def virtual_copies(node: HostUpdateNode) -> None:
+  """Stand-ins for a planned step's weight copies."""
+  for c in node.copies:
+    c.copy = _virtual(c.target, c.target.shape, c.dtype, f"{c.dtype} copy")
+
+
+def _virtual(target: PoolArray, shape: Any, dtype: Any, what: str
+             ) -> PoolArray:
+  return PoolArray(np.full((1,), -1, np.int32), pool_id=-1, shape=shape,
+                   dtype=dtype, sharding=target.sharding, tier=target.tier,
+                   path=f"{target.path} ({what})", local_handles=((-1, -1),))
 
 
 def _release(made: dict) -> None:
-  for (pool_id, *_), (staging, program_id) in made.items():
+  for (pool_id, *_), (staging, copies, program_id) in made.items():
     pool = next((p for p in registry.open_pools() if p.id == pool_id), None)
     if pool is None:
       continue  # closed: its objects and programs went with it
     pool.release_update(program_id)
-    for x in staging.values():
+    for x in list(staging.values()) + list(copies.values()):
       pool.free(x.local_handles[0][1])
   made.clear()
 

@@ -89,6 +89,9 @@ class HostUpdateNode(Node):
   position: int = -1  # the program node it goes after (see _insert)
   region: list[Node] = dataclasses.field(default_factory=list)  # none on
   # the device: the compute estimate charges this node nothing
+  # bfloat16 copies of the weights it writes (weight_copies.WeightCopy),
+  # which the step fetches in place of the masters.
+  copies: list[Any] = dataclasses.field(default_factory=list)
 
   @property
   def elements(self) -> int:
@@ -102,6 +105,7 @@ class HostUpdateNode(Node):
     """Bytes the host update reads and writes in the pool."""
     return (sum(x.nbytes for x in self.reads.values()) +
             sum(x.nbytes for x in self.writes.values()) +
+            sum(c.copy.nbytes for c in self.copies if c.copy is not None) +
             self.link_bytes())
 
   def device_link_bytes(self) -> int:
@@ -504,6 +508,9 @@ def compile_program(node: HostUpdateNode, program: Program,
       raise _NotOnHost("its new value does not depend on its old value or "
                        "gradient (a constant)")
     outs.append(up.Output(reg=r, handle=handle(target)))
+  for c in node.copies:  # -1: a stand-in, made later
+    outs.append(up.Output(reg=reg[c.new_value],
+                          handle=handle(c.copy) if c.copy is not None else -1))
   code = _contract(code, len(inputs), [o.reg for o in outs])
   platform = next(iter(
       next(iter(node.writes.values())).sharding.device_set)).platform

@@ -12,6 +12,7 @@ from jcxl._src import schedule as schedule_lib
 from jcxl._src.dap import costmodel
 from jcxl._src.offload.analysis import Analysis
 from jcxl._src.offload import host_runs
+from jcxl._src.offload import weight_copies
 from jcxl._src.offload.clusters import Cluster
 from jcxl._src.offload.clusters import shard_bytes
 from jcxl._src.offload.program import layer_of
@@ -82,6 +83,8 @@ def record_plan(a: Analysis, schedule: schedule_lib.LayerSchedule,
   updates = tuple(f"{name}: {why}" for name, why in a.update_paths.items())
   if a.host_updates:
     updates += (host_runs.traffic_line(a.host_updates),)
+    copies = weight_copies.line(a.host_updates)
+    updates += (copies,) if copies else ()
   return schedule_lib.Plan(tuple(rows), source, prediction.step_s, (),
                            made_for, placement, updates)
 
