@@ -12,6 +12,13 @@ with fp32 adamw three ways in one run, on the same batches:
 * host_once: the same with ``refetch=False``: each weight comes in once a
   step and stays on the device from its forward to its backward use.
 
+Then, with the update on the device and on the host (weights fetched once
+a step), the same GPT computing in bfloat16 from float32 master weights
+and an untied Llama of the same size: the bytes per parameter when the
+host update writes bfloat16 weight copies and bfloat16 gradients go out.
+And every zoo model family (``zoo_models``) timed with the update on the
+device and on the host, side by side.
+
 Each round runs every mode (in a seeded random order) for two steps back
 to back and times the second; per mode the median over rounds, and per
 pair the median of the rounds' ratios (which cancels the machine's load in
@@ -34,10 +41,13 @@ Acceptance targets, printed as PASS/FAIL lines:
   * host step no slower than the device-update step (paired);
   * host update moves at most 8 bytes per parameter (fp32 adamw), with
     weights fetched once a step (host_once);
+  * at most 4 with bfloat16 weight copies and gradients (the untied
+    Llama; the GPT's tied embedding sends a float32 gradient);
+  * on every zoo model the host step no slower than the device update's;
   * the host kernel reaches at least 0.7 of memcpy's bandwidth;
   * losses equal the device update's within 1e-6 (relative).
 
-Command line (the defaults; about 5 minutes on a 2-core machine):
+Command line (the defaults; about 8 minutes on a 2-core machine):
 
   python -m experiments.host_update --n_layer=8 --n_embd=512 \
       --vocab_size=32000 --seq_len=256 --batch=2 --rounds=12
@@ -53,6 +63,7 @@ from typing import Any
 from absl import app
 from absl import flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -62,6 +73,9 @@ from experiments import common
 from experiments import flags as shared_flags
 from models import common as model_common
 from models import gpt2
+from models import llama
+from models import mlp
+from models import vit
 
 FLAGS = flags.FlagValues()
 _N_LAYER = flags.DEFINE_integer("n_layer", 8, "Blocks of the model.",
@@ -84,6 +98,9 @@ _KERNEL_ELEMENTS = flags.DEFINE_integer(
     "kernel_elements", 16 << 20, "Elements of each array of the kernel's "
     "bandwidth measurement (p, mu, nu, g: 28 bytes each moved).",
     lower_bound=1, flag_values=FLAGS)
+_ZOO_ROUNDS = flags.DEFINE_integer(
+    "zoo_rounds", 8, "Timed rounds of each zoo model's device-update and "
+    "host-update steps.", lower_bound=1, flag_values=FLAGS)
 _JSON_OUT = shared_flags.json_out(FLAGS)
 _DRY_RUN = shared_flags.dry_run(
     FLAGS, help_text="A tiny model, two rounds: checks that the program "
@@ -93,10 +110,12 @@ MODES = ("resident", "device", "host", "host_once")
 OFFLOADED = MODES[1:]
 STEP_LIMIT = 1.12       # host step / resident step, at most
 TRAFFIC_LIMIT = 8.0     # bytes per parameter per step, at most
+BF16_TRAFFIC_LIMIT = 4.0  # the same, bfloat16 weights and gradients
 KERNEL_LIMIT = 0.7      # host kernel bandwidth / memcpy's, at least
 LOSS_RTOL = 1e-6
 DRY_RUN_SIZES = {"n_layer": 2, "n_embd": 64, "vocab_size": 512,
-                 "seq_len": 32, "rounds": 2, "kernel_elements": 1 << 16}
+                 "seq_len": 32, "rounds": 2, "kernel_elements": 1 << 16,
+                 "zoo_rounds": 2, "zoo_larger": False}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +129,8 @@ class Config:
   link: jcxl.LinkModel
   seed: int
   kernel_elements: int = 16 << 20
+  zoo_rounds: int = 8
+  zoo_larger: bool = True
   json_out: str | None = None
 
   def validate(self) -> None:
@@ -128,6 +149,7 @@ def config_from_flags() -> Config:
            "vocab_size": _VOCAB.value, "seq_len": _SEQ_LEN.value,
            "rounds": _ROUNDS.value}
   sizes["kernel_elements"] = _KERNEL_ELEMENTS.value
+  sizes["zoo_rounds"] = _ZOO_ROUNDS.value
   if _DRY_RUN.value:
     sizes = DRY_RUN_SIZES
   return Config(**sizes, batch=_BATCH.value,
@@ -162,6 +184,121 @@ class _Mode:
 
 def _state_bytes(tree: Any) -> int:
   return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+
+def _bf16_traffic(config: Config, tx: Any, data: list[Any]
+                  ) -> dict[str, Any]:
+  """Models computing in bfloat16 from float32 master weights, weights
+  fetched once a step: bytes per parameter with the update on the device
+  and on the host (which writes bfloat16 weight copies), from the pool's
+  counters over the last of `data`'s steps, and the two paths' losses.
+
+  Two models of the run's size: the GPT (its head tied to the embedding,
+  whose gradient is the float32 sum of two bfloat16 cotangents, the
+  lookup's and the head's: 4 bytes of it go out) and a Llama with an
+  untied head (every gradient bfloat16)."""
+  models = {
+      "gpt2_tied": dataclasses.replace(config.model(), dtype=jnp.bfloat16),
+      "llama_untied": llama.LlamaConfig(
+          vocab_size=config.vocab_size, max_seq_len=config.seq_len,
+          dim=config.n_embd, n_layers=config.n_layer,
+          n_heads=config.n_embd // 64, ffn_dim=8 * config.n_embd // 3 // 64 * 64,
+          dtype=jnp.bfloat16),
+  }
+  out = {}
+  for name, model in models.items():
+    params = jax.tree.map(np.asarray, model_common.init_params(
+        model, seed=config.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    train_step = common.make_train_step(model_common.make_loss(model), tx)
+    state = _state_bytes(params) + _state_bytes(tx.init(params))
+    capacity = 2 * state + 2 * _state_bytes(params) + (256 << 20)
+    result = {"parameters": n_params}
+    with jcxl.Pool(host="64MiB", cxl=capacity, cxl_link=config.link) as pool:
+      for update in ("device", "host"):
+        step = jcxl.cxl_offload(train_step, update=update, refetch=False)
+        mode = _Mode(update, step, jcxl.place(params, "cxl", pool=pool),
+                     jcxl.place(tx.init(params), "cxl", pool=pool))
+        for batch in data:
+          before = pool.stats()["cxl"]
+          mode(batch)
+          after = pool.stats()["cxl"]
+        read = (after.bytes_read - before.bytes_read) / n_params
+        written = (after.bytes_written - before.bytes_written) / n_params
+        result[update] = {
+            "read_per_param": read, "written_per_param": written,
+            "total_per_param": read + written, "losses": mode.losses,
+            "weight_copies": next((u for u in step.plan.updates
+                                   if u.startswith("weight copies")), "")}
+        print(f"{name}, bfloat16 compute, update={update}: "
+              f"{read + written:.2f} B/param a step ({read:.2f} in, "
+              f"{written:.2f} out)", flush=True)
+        del mode
+    result["loss_max_relative_difference_host_vs_device"] = float(np.max(
+        np.abs(np.subtract(result["host"]["losses"],
+                           result["device"]["losses"])) /
+        np.abs(result["device"]["losses"])))
+    out[name] = result
+  return out
+
+
+def zoo_models(larger: bool) -> dict[str, Any]:
+  """The zoo models `_zoo` times: every family at its test size (unrolled
+  and, where it has the option, scanned), and (`larger`) three families
+  at a few million parameters."""
+  models = {
+      "gpt2_tiny": gpt2.tiny(), "gpt2_tiny_scanned": gpt2.tiny(
+          scan_layers=True),
+      "llama_tiny": llama.tiny(), "llama_tiny_scanned": llama.tiny(
+          scan_layers=True),
+      "mlp_tiny": mlp.tiny(), "vit_tiny": vit.tiny()}
+  if larger:
+    models.update({
+        "gpt2_6x384": gpt2.tiny(vocab_size=8192, n_ctx=256, n_embd=384,
+                                n_layer=6, n_head=6),
+        "llama_6x384": llama.tiny(vocab_size=8192, max_seq_len=256,
+                                  dim=384, n_layers=6, n_heads=6,
+                                  n_kv_heads=2, ffn_dim=1024),
+        "mlp_8x2048": mlp.small(in_dim=1024, widths=(2048,) * 9,
+                                out_dim=1024)})
+  return models
+
+
+def _zoo(models: dict[str, Any], tx: Any, rounds: int, seed: int,
+         link: jcxl.LinkModel) -> dict[str, Any]:
+  """Per zoo model, the device-update and host-update steps timed side by
+  side (state in the cxl tier behind `link`): medians and the paired
+  ratio."""
+  out = {}
+  for name, model in models.items():
+    params = jax.tree.map(np.asarray, model_common.init_params(model,
+                                                               seed=seed))
+    family = {"GPT2Config": gpt2, "LlamaConfig": llama, "MLPConfig": mlp,
+              "ViTConfig": vit}[type(model).__name__]
+    batch = jax.tree.map(np.asarray, family.example_batch(model))
+    train_step = common.make_train_step(model_common.make_loss(model), tx)
+    state = _state_bytes(params) + _state_bytes(tx.init(params))
+    with jcxl.Pool(host="64MiB", cxl=3 * state + (64 << 20),
+                   cxl_link=link) as pool:
+      modes = {u: _Mode(u, jcxl.cxl_offload(train_step, update=u),
+                        jcxl.place(params, "cxl", pool=pool),
+                        jcxl.place(tx.init(params), "cxl", pool=pool))
+               for u in ("device", "host")}
+      for mode in modes.values():  # compiled and warmed up
+        mode(batch)
+        mode(batch)
+      times = {u: [] for u in modes}
+      for r in range(rounds):
+        for u in common.shuffled(list(modes), r):
+          times[u].append(modes[u](batch))
+    ratio = float(np.median(np.divide(times["host"], times["device"])))
+    out[name] = {"parameters": sum(x.size for x in jax.tree.leaves(params)),
+                 "device_s": float(np.median(times["device"])),
+                 "host_s": float(np.median(times["host"])),
+                 "host/device": ratio}
+    print(f"zoo {name}: host/device {ratio:.3f} (device "
+          f"{out[name]['device_s'] * 1e3:.1f} ms)", flush=True)
+  return out
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -220,6 +357,9 @@ def run(config: Config) -> dict[str, Any]:
       print(f"round {r + 1}/{config.rounds}: " + ", ".join(
           f"{n} {times[n][-1] * 1e3:.0f} ms" for n in MODES), flush=True)
     plan = str(modes["host"].step.plan)
+  bf16 = _bf16_traffic(config, tx, data[:3])
+  zoo = _zoo(zoo_models(larger=config.zoo_larger), tx, config.zoo_rounds,
+             config.seed, config.link)
   kernel = host_update_bandwidth.measure(
       config.kernel_elements, repeats=5)
   losses = {n: modes[n].losses for n in MODES}
@@ -242,6 +382,8 @@ def run(config: Config) -> dict[str, Any]:
                  "host_once/resident": paired("host_once", "resident"),
                  "host_once/device": paired("host_once", "device")},
       "traffic": traffic,
+      "bf16_compute": bf16,
+      "zoo": zoo,
       "host_kernel": kernel,
       "loss_max_relative_difference_host_vs_device": loss_rel,
       "loss_max_relative_difference_device_vs_resident": float(np.max(
@@ -266,6 +408,14 @@ def run(config: Config) -> dict[str, Any]:
        kernel["ratios"]["kernel/memcpy_mt"] >= KERNEL_LIMIT),
       ("losses host vs device, max relative", loss_rel, f"<= {LOSS_RTOL}",
        loss_rel <= LOSS_RTOL),
+      ("host step / device-update step, slowest zoo model",
+       max(z["host/device"] for z in zoo.values()), "<= 1",
+       max(z["host/device"] for z in zoo.values()) <= 1.0),
+      ("host traffic, bfloat16 weights and gradients (untied Llama), "
+       "B/param", bf16["llama_untied"]["host"]["total_per_param"],
+       f"<= {BF16_TRAFFIC_LIMIT}",
+       round(bf16["llama_untied"]["host"]["total_per_param"], 2) <=
+       BF16_TRAFFIC_LIMIT),
   ]
   results["checks"] = [{"check": c, "value": v, "target": t,
                         "pass": bool(ok)} for c, v, t, ok in checks]

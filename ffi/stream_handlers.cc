@@ -1,5 +1,7 @@
 #include "stream_handlers.h"
 
+#include <sys/mman.h>
+
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -120,6 +122,22 @@ void LogStreamWait(const StreamWait& wait) {
 
 namespace {
 
+// A fetch's destination on XLA:CPU is a new allocation each step, above
+// malloc's mmap threshold for a large layer: its first touch faults in
+// every 4 KiB page (a 64 MiB embedding took 19 ms to fetch, 4 ms into
+// touched memory). Huge pages fault 512x fewer times. Advisory: it changes
+// no byte, and is ignored where transparent huge pages are off.
+constexpr uint64_t kHugePage = 2ull << 20;
+void AdviseHugePages(void* data, uint64_t bytes) {
+  if (bytes < 2 * kHugePage) return;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t last = (begin + bytes) & ~(kHugePage - 1);
+  if (last > first) {
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+}
+
 ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
   std::shared_ptr<Ticket> ticket = InFlight::Get().Take(address);
   if (!ticket) {
@@ -150,6 +168,7 @@ ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
   auto target = ResolveOnHost("jcxl_fetch_start", pool_id, handle, index,
                               stacked, block_rows, *out);
   if (target.has_error()) return target.error();
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Read(
       handle.typed_data()[0], out->untyped_data(), out->size_bytes(), target->offset,
       priority, static_cast<uint64_t>(chunk_bytes));

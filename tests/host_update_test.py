@@ -483,6 +483,19 @@ class ExperimentTest:
     assert traffic["device"]["written_per_param"] == pytest.approx(
         12, abs=0.01)
     assert results["loss_max_relative_difference_host_vs_device"] <= 1e-6
+    # bfloat16 compute: bfloat16 weight copies in, bfloat16 gradients out;
+    # the tied embedding's gradient is float32.
+    bf16 = results["bf16_compute"]
+    assert bf16["llama_untied"]["host"]["read_per_param"] == pytest.approx(
+        2, abs=0.01)
+    assert bf16["llama_untied"]["host"]["total_per_param"] == pytest.approx(
+        4, abs=0.01)
+    assert 4.01 < bf16["gpt2_tied"]["host"]["total_per_param"] < 6
+    assert bf16["llama_untied"]["host"]["weight_copies"].startswith(
+        "weight copies: ")
+    assert set(results["zoo"]) == set(host_update.zoo_models(larger=False))
+    assert all(z["host_s"] > 0 and z["device_s"] > 0
+               for z in results["zoo"].values())
     assert "EMULATED" in results["emulation"]
     assert "EMULATED" in capsys.readouterr().out
 
