@@ -74,6 +74,7 @@ def run_program(argv: Sequence[str], config_from_flags: Callable[[], Any],
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config = validated_config(config_from_flags)
   logging.info("config: %s", config)
+  results_file.note_start()
   results = run(config)
   json_out = getattr(config, "json_out", None)
   if json_out:

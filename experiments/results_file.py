@@ -62,6 +62,21 @@ def _git(*args: str) -> str | None:
   return out.stdout.strip()
 
 
+# The checkout as a program found it when it started (`note_start`): a long
+# run's file must name the code that ran, not what the tree became.
+_at_start: tuple[str, str] | None = None
+
+
+def note_start() -> None:
+  """Records the checkout's commit as the running program's."""
+  global _at_start
+  _at_start = commit()
+
+
+def _revision() -> tuple[str, str]:
+  return _at_start or commit()
+
+
 def commit() -> tuple[str, str]:
   """(short hash, description) of the checkout's HEAD; the description
   says when tracked files had uncommitted changes."""
@@ -84,7 +99,7 @@ def header(program: str, argv: Sequence[str], when: datetime.datetime
            ) -> list[tuple[str, str]]:
   """The rows of a results file's header; `argv` is the command line as
   the process got it (sys.argv: absl's main sees it without its flags)."""
-  _, described = commit()
+  _, described = _revision()
   machine = bench.describe_machine()
   load = ", ".join(f"{x:.2f}" for x in machine.load_average)
   return [
@@ -200,7 +215,7 @@ def write(program: str, results: Any, argv: Sequence[str],
     when: the run's time (UTC), now by default.
   """
   when = when or datetime.datetime.now(datetime.timezone.utc)
-  short, _ = commit()
+  short, _ = _revision()
   folder = os.path.join(results_dir(), program)
   stem = f"{when.strftime('%Y-%m-%d-%H%M%S')}-{short}"
   try:

@@ -429,6 +429,21 @@ class WeightCopiesTest:
     np.testing.assert_allclose(float(loss), float(ref(q, t, data[4])[2]),
                                rtol=1e-6)
 
+  def test_a_step_traced_again_reuses_its_copies(self, pool):
+    params, loss_fn = mlp(scan=False)
+    tx = optax.adamw(1e-2)
+    step = jcxl.cxl_offload(make_step(_bf16_compute(loss_fn), tx),
+                            update="host")
+    p = jcxl.place(params, "cxl", pool=pool)
+    s = jcxl.place(tx.init(params), "cxl", pool=pool)
+    x = batches(1)[0]
+    p, s, _ = step(p, s, x)
+    handles = set(pool.handles())
+    copies = {h for h in handles if pool.info(h).copy_of}
+    assert len(copies) == 7
+    step.lower(p, s, x)  # traced again: the same objects, none made
+    assert set(pool.handles()) == handles
+
   def test_a_pool_without_room_for_the_copies_fetches_the_masters(
       self, pool, monkeypatch):
     def full(*args, **kwargs):

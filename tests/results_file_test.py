@@ -67,6 +67,19 @@ class ResultsFileTest:
     short, described = results_file.commit()
     assert short == head and described.startswith(head)
 
+  def test_a_run_names_the_commit_it_started_on(self, tmp_path,
+                                                monkeypatch):
+    monkeypatch.setenv(results_file.RESULTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(results_file, "_at_start", None)
+    monkeypatch.setattr(results_file, "commit", lambda: ("a1", "a1"))
+    results_file.note_start()
+    # Committed to while it ran.
+    monkeypatch.setattr(results_file, "commit", lambda: ("b2", "b2"))
+    path = results_file.write("dap", {"a": 1}, ["dap"], WHEN)
+    assert path.endswith("-a1.md")
+    with open(path, encoding="utf-8") as f:
+      assert "| commit | a1 |" in f.read()
+
   def test_two_runs_in_one_second_get_two_files(self, tmp_path, monkeypatch):
     monkeypatch.setenv(results_file.RESULTS_DIR_ENV, str(tmp_path))
     first = results_file.write("max_model", {"a": 1}, ["max_model"], WHEN)

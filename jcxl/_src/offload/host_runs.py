@@ -97,12 +97,10 @@ class HostUpdates:
     its program's id. A copy the pool has no room for is left out: that
     weight comes in as float32."""
     pool = registry.find_pool(node.pool_id, what="a host update's state")
-    key = _key(node, program)
+    key = _key(node, program)  # of the copies it could have
     made = self._made.get(key)
     if made is None:
-      made = _make(pool, node, program)
-      key = _key(node, program)  # less the copies left out
-      self._made[key] = made
+      made = self._made[key] = _make(pool, node, program)
     staging, copies, node.program_id = made
     node.staging = {k: staging[j] for j, k in enumerate(node.grads)}
     node.copies = [c for c in node.copies if c.source in copies]
@@ -117,7 +115,8 @@ def _key(node: HostUpdateNode, program: Program) -> Any:
   """What a host update's objects and program are made for: its pool,
   its program (with stand-ins for its objects) and its gradients."""
   return (node.pool_id, repr(host_update.compile_program(
-      node, program, {k: -1 for k in node.grads})),
+      node, program, {k: -1 for k in node.grads},
+      {c.source: -1 for c in node.copies})),
           tuple((tuple(k[1].aval.shape), str(k[1].aval.dtype))
                 for k in node.grads))
 
@@ -137,7 +136,8 @@ def _make(pool: Any, node: HostUpdateNode, program: Program
         node.copies.remove(c)
     program_id = pool.register_update(host_update.compile_program(
         node, program, {k: staging[j].local_handles[0][1]
-                        for j, k in enumerate(node.grads)}))
+                        for j, k in enumerate(node.grads)},
+        {k: x.local_handles[0][1] for k, x in copies.items()}))
   except BaseException:
     for x in list(staging.values()) + list(copies.values()):
       pool.free(x.local_handles[0][1])

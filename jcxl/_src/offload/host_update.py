@@ -440,9 +440,13 @@ class _NotOnHost(ValueError):
 
 
 def compile_program(node: HostUpdateNode, program: Program,
-                    grad_handles: dict[Any, int]) -> up.Program:
+                    grad_handles: dict[Any, int],
+                    copy_handles: dict[Any, int] | None = None
+                    ) -> up.Program:
   """The node's equations as a host program over its objects, the
-  gradients read from the objects `grad_handles` names."""
+  gradients read from the objects `grad_handles` names, and the new
+  weights also written into the copies `copy_handles` names (by master
+  key; see weight_copies)."""
   inputs: list[up.Input] = []
   reg: dict[Any, int] = {}
   scalar_regs: set[int] = set()
@@ -508,9 +512,9 @@ def compile_program(node: HostUpdateNode, program: Program,
       raise _NotOnHost("its new value does not depend on its old value or "
                        "gradient (a constant)")
     outs.append(up.Output(reg=r, handle=handle(target)))
-  for c in node.copies:  # -1: a stand-in, made later
+  for c in node.copies:
     outs.append(up.Output(reg=reg[c.new_value],
-                          handle=handle(c.copy) if c.copy is not None else -1))
+                          handle=(copy_handles or {})[c.source]))
   code = _contract(code, len(inputs), [o.reg for o in outs])
   platform = next(iter(
       next(iter(node.writes.values())).sharding.device_set)).platform
