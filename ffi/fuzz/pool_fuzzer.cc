@@ -5,9 +5,11 @@
 // the whole object), free, write or read a range, compact, use a freed, a
 // foreign (B's), a made-up or an out-of-range handle, churn B, and run an
 // update program (x <- -x) on an object, then wait for it, or free the
-// object or compact the pool while it runs (both must wait for it). A shadow
-// copy of every object's bytes says what each read must return. After every
-// operation:
+// object or compact the pool while it runs (both must wait for it), and make
+// a bfloat16 copy the pool keeps of a float32 object (AllocateCopy). A
+// shadow copy of every object's bytes says what each read must return (a
+// copy's: its source's, converted, whatever wrote the source; a copy whose
+// source was freed is refused). After every operation:
 //   * A lists exactly the live handles, and every one of them resolves;
 //   * no two live objects overlap, each lies below its arena's reserved
 //     mark, and every reserved byte is an object's, a slab span's or a
@@ -94,7 +96,7 @@ class PoolFuzzer {
 
   void Run() {
     while (!in_.done()) {
-      switch (in_.Byte() % 13) {
+      switch (in_.Byte() % 14) {
         case 0:
         case 1:
         case 2:
@@ -127,11 +129,15 @@ class PoolFuzzer {
         case 11:
           Update();
           break;
+        case 12:
+          Copy();
+          break;
         default:
           ChurnB();
           break;
       }
       ++g_counter.operations;
+      SyncCopies();
       CheckLayout();
     }
     CheckAllBytes();
@@ -191,6 +197,7 @@ class PoolFuzzer {
     FUZZ_CHECK(freed.ok(), freed.message());
     shadow_.erase(handle);
     floats_.erase(handle);
+    copy_of_.erase(handle);
     stale_.push_back(handle);
     if (stale_.size() > 32) stale_.erase(stale_.begin());
   }
@@ -246,6 +253,11 @@ class PoolFuzzer {
     const Status written =
         Wait(a_->Write(handle, update, bytes, offset, in_.Byte() % 3,
                        in_.Range(0, 3) * 4096));
+    if (copy_of_.count(handle)) {
+      FUZZ_CHECK(written.code() == Code::kInvalidArgument,
+                 "a write of the copy " + H(handle) + " accepted");
+      return;
+    }
     FUZZ_CHECK(written.ok(), written.message());
     std::memcpy(data.data() + offset, update, bytes);
   }
@@ -259,6 +271,11 @@ class PoolFuzzer {
     char* out = Scratch(bytes);
     const Status read = Wait(a_->Read(handle, out, bytes, offset,
                                       in_.Byte() % 3, in_.Range(0, 3) * 4096));
+    if (Orphan(handle)) {
+      FUZZ_CHECK(read.code() == Code::kNotFound,
+                 "the copy " + H(handle) + " of a freed object was read");
+      return;
+    }
     FUZZ_CHECK(read.ok(), read.message());
     FUZZ_CHECK(std::memcmp(out, data.data() + offset, bytes) == 0,
                H(handle) + " read back other bytes at " +
@@ -315,6 +332,7 @@ class PoolFuzzer {
   void OutOfRange() {
     if (shadow_.empty()) return;
     const int32_t handle = Pick();
+    if (Orphan(handle)) return;  // refused before its range is looked at
     const uint64_t size = shadow_[handle].size();
     const uint64_t offset = in_.Range(0, size + 8192);
     const uint64_t bytes =
@@ -345,12 +363,17 @@ class PoolFuzzer {
   }
 
   void CheckAllBytes() {
+    SyncCopies();  // mid-operation too (an update's compaction checks)
     for (const auto& [handle, data] : shadow_) {
+      if (Orphan(handle)) continue;  // its reads are refused (Read)
       char* out = Scratch(data.size());
       const Status read = Wait(a_->Read(handle, out, data.size(), 0, 0, 0));
       FUZZ_CHECK(read.ok(), H(handle) + ": " + read.message());
       FUZZ_CHECK(std::memcmp(out, data.data(), data.size()) == 0,
-                 H(handle) + " lost its bytes");
+                 H(handle) + " lost its bytes" +
+                     (copy_of_.count(handle)
+                          ? " (a copy of " + H(copy_of_.at(handle)) + ")"
+                          : ""));
     }
   }
 
@@ -422,11 +445,62 @@ class PoolFuzzer {
     }
   }
 
+  // A bfloat16 copy of a float32 object: it must read back as its source
+  // converted; nothing but the pool writes it, and it copies no copy.
+  void Copy() {
+    if (shadow_.empty()) return;
+    const int32_t source = Pick();
+    StatusOr<int32_t> copy = a_->AllocateCopy(source, "bfloat16");
+    if (!floats_.count(source)) {  // bytes, or a copy
+      FUZZ_CHECK(copy.status().code() == Code::kInvalidArgument,
+                 "a copy of " + H(source) + " made");
+      return;
+    }
+    if (!copy.ok()) {
+      FUZZ_CHECK(copy.status().code() == Code::kExhausted,
+                 copy.status().message());
+      return;
+    }
+    StatusOr<ObjectInfo> info = a_->Info(*copy);
+    FUZZ_CHECK(info.ok() && info->copy_of == source,
+               H(*copy) + " is not a copy of " + H(source));
+    copy_of_[*copy] = source;
+    shadow_[*copy] = {};
+    SyncCopies();
+  }
+
+  bool Orphan(int32_t handle) const {
+    auto it = copy_of_.find(handle);
+    return it != copy_of_.end() && shadow_.count(it->second) == 0;
+  }
+
+  // A copy's expected bytes: its source's float32s, converted.
+  void SyncCopies() {
+    for (const auto& [copy, source] : copy_of_) {
+      auto found = shadow_.find(source);
+      if (found == shadow_.end()) continue;
+      const std::vector<char>& from = found->second;
+      std::vector<char>& to = shadow_[copy];
+      to.resize(from.size() / 2);
+      for (size_t k = 0; k < from.size() / 4; ++k) {
+        uint32_t bits;
+        std::memcpy(&bits, from.data() + 4 * k, 4);
+        const uint16_t half =
+            (bits & 0x7fffffffu) > 0x7f800000u
+                ? static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7fc0u)
+                : static_cast<uint16_t>(
+                      (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        std::memcpy(to.data() + 2 * k, &half, 2);
+      }
+    }
+  }
+
   FuzzInput& in_;
   std::shared_ptr<Pool> a_;
   std::shared_ptr<Pool> b_;
   std::map<int32_t, std::vector<char>> shadow_;  // A's objects and bytes
   std::set<int32_t> floats_;                     // of those, float32 ones
+  std::map<int32_t, int32_t> copy_of_;           // copies, by their source
   std::vector<int32_t> stale_;                   // freed in A, recently
   std::vector<int32_t> b_handles_;
   std::vector<char> scratch_;

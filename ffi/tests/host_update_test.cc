@@ -488,7 +488,9 @@ TEST(ConcurrentStartersFreersAndAllocators) {
 uint16_t Bf16(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (bits >> 16) | 0x40;  // NaN
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN: quiet, its sign kept
+    return static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7fc0u);
+  }
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
 }
 
