@@ -89,14 +89,28 @@ def make_step(loss_fn, tx):
 
 
 def run(pool, params, loss_fn, tx, data, update, tier="cxl", **offload):
+  """Trains on `data`: the step, its losses, the final parameters and
+  optimizer state (see `run_counted`)."""
+  return run_counted(pool, params, loss_fn, tx, data, update, tier,
+                     **offload)[:4]
+
+
+def run_counted(pool, params, loss_fn, tx, data, update, tier="cxl",
+                **offload):
+  """As `run`, and the bytes the last step read from and wrote to `tier`
+  (the pool's counters)."""
   step = jcxl.cxl_offload(make_step(loss_fn, tx), update=update, **offload)
   p = jcxl.place(params, tier, pool=pool)
   s = jcxl.place(tx.init(params), tier, pool=pool)
   losses = []
   for x in data:
+    before = pool.stats()[tier]
     p, s, loss = step(p, s, x)
-    losses.append(float(loss))
-  return step, losses, jcxl.gather(p), jcxl.gather(s)
+    losses.append(float(loss))  # the step (its stores and updates) is done
+    after = pool.stats()[tier]
+  return (step, losses, jcxl.gather(p), jcxl.gather(s),
+          (after.bytes_read - before.bytes_read,
+           after.bytes_written - before.bytes_written))
 
 
 def assert_close(a, b, rtol=1e-6):
@@ -196,22 +210,10 @@ class TrafficTest:
 
   def test_only_gradients_leave_the_device(self, pool):
     params, loss_fn = mlp(scan=False)
-    tx = optax.adamw(1e-2)
     n = sum(x.size for x in jax.tree.leaves(params))
-    moved = {}
-    for update in ("device", "host"):
-      step = jcxl.cxl_offload(make_step(loss_fn, tx), update=update)
-      p = jcxl.place(params, "cxl", pool=pool)
-      s = jcxl.place(tx.init(params), "cxl", pool=pool)
-      data = batches(2)
-      p, s, loss = step(p, s, data[0])  # compiled, calibrated
-      float(loss)  # the step (its stores and updates) is done
-      before = pool.stats()["cxl"]
-      p, s, loss = step(p, s, data[1])
-      jax.block_until_ready(loss)
-      after = pool.stats()["cxl"]
-      moved[update] = (after.bytes_read - before.bytes_read,
-                       after.bytes_written - before.bytes_written)
+    moved = {update: run_counted(pool, params, loss_fn, optax.adamw(1e-2),
+                                 batches(2), update)[4]
+             for update in ("device", "host")}
     # The host update writes only gradients out: 4 bytes per parameter
     # (and adamw's step count, a scalar updated in the step).
     assert moved["host"][1] == 4 * n + 4
@@ -220,76 +222,34 @@ class TrafficTest:
     # Neither moment comes in on the host path.
     assert moved["host"][0] <= moved["device"][0] - 8 * n
 
-
-  def test_bfloat16_compute_sends_bfloat16_gradients(self, pool):
+  @pytest.mark.parametrize("compute,refetch,moved", [
+      # The cast of each gradient to float32 runs on the host: 2 bytes out.
+      ("bfloat16", True, (None, 2)),
+      # Weights in once (and the step count), gradients out.
+      ("float32", False, (4, 4)),
+      # bfloat16 copies of the weights in, bfloat16 gradients out.
+      ("bfloat16", False, (2, 2)),
+  ])
+  def test_bytes_a_parameter(self, pool, compute, refetch, moved):
     params, loss_fn = mlp(scan=False)
-    bf16_loss = _bf16_compute(loss_fn)
+    if compute == "bfloat16":
+      loss_fn = _bf16_compute(loss_fn)
     n = sum(x.size for x in jax.tree.leaves(params))
-    data = batches(4)
-    _, dev_losses, dev_p, _ = run(pool, params, bf16_loss, optax.adamw(1e-2),
+    data = batches(3)
+    _, dev_losses, dev_p, _ = run(pool, params, loss_fn, optax.adamw(1e-2),
                                   data, "device")
-    tx = optax.adamw(1e-2)
-    step = jcxl.cxl_offload(make_step(bf16_loss, tx), update="host")
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
-    losses = []
-    for x in data:
-      before = pool.stats()["cxl"]
-      p, s, loss = step(p, s, x)
-      losses.append(float(loss))
-      after = pool.stats()["cxl"]
-    # The cast of each gradient to float32 runs on the host: 2 bytes out.
-    assert after.bytes_written - before.bytes_written == 2 * n + 4
+    step, losses, p, _, (read, written) = run_counted(
+        pool, params, loss_fn, optax.adamw(1e-2), data, "host",
+        refetch=refetch)
+    if moved[0] is not None:
+      assert read == moved[0] * n + 4  # and the step count
+    assert written == moved[1] * n + 4
+    copies = [u for u in step.plan.updates if u.startswith("weight copies")]
+    assert copies == ([] if compute == "float32" else [
+        "weight copies: 7 float32 weights fetched as bfloat16 copies the "
+        "host update writes (6.44 KiB less per fetch)"])
     np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
-    assert_close(jcxl.gather(p), dev_p)
-
-  def test_weights_fetched_once_move_eight_bytes_a_parameter(self, pool):
-    params, loss_fn = mlp(scan=False)
-    tx = optax.adamw(1e-2)
-    n = sum(x.size for x in jax.tree.leaves(params))
-    data = batches(3)
-    _, dev_losses, dev_p, _ = run(pool, params, loss_fn, tx, data, "device")
-    step = jcxl.cxl_offload(make_step(loss_fn, tx), update="host",
-                            refetch=False)
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
-    losses = []
-    for j, x in enumerate(data):
-      before = pool.stats()["cxl"]
-      p, s, loss = step(p, s, x)
-      losses.append(float(loss))
-      after = pool.stats()["cxl"]
-    # Weights in once (and the step count), gradients out.
-    assert after.bytes_read - before.bytes_read == 4 * n + 4
-    assert after.bytes_written - before.bytes_written == 4 * n + 4
-    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
-    assert_close(jcxl.gather(p), dev_p)
-
-  def test_bfloat16_weights_and_gradients_move_four_bytes(self, pool):
-    params, loss_fn = mlp(scan=False)
-    bf16_loss = _bf16_compute(loss_fn)
-    tx = optax.adamw(1e-2)
-    n = sum(x.size for x in jax.tree.leaves(params))
-    data = batches(3)
-    _, dev_losses, dev_p, _ = run(pool, params, bf16_loss, tx, data, "device")
-    step = jcxl.cxl_offload(make_step(bf16_loss, tx), update="host",
-                            refetch=False)
-    p = jcxl.place(params, "cxl", pool=pool)
-    s = jcxl.place(tx.init(params), "cxl", pool=pool)
-    losses = []
-    for x in data:
-      before = pool.stats()["cxl"]
-      p, s, loss = step(p, s, x)
-      losses.append(float(loss))
-      after = pool.stats()["cxl"]
-    # bfloat16 copies of the weights in (and the step count), bfloat16
-    # gradients out.
-    assert after.bytes_read - before.bytes_read == 2 * n + 4
-    assert after.bytes_written - before.bytes_written == 2 * n + 4
-    assert any(u.startswith("weight copies: 7 float32 weights fetched as "
-                            "bfloat16") for u in step.plan.updates)
-    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
-    assert_close(jcxl.gather(p), dev_p)
+    assert_close(p, dev_p)
 
   def test_refetch_must_be_a_bool(self):
     with pytest.raises(TypeError, match="refetch must be True or False"):
