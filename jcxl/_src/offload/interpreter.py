@@ -152,8 +152,10 @@ class Interpreter:
     group = layer_of(self.fetches.paths[next(iter(streamed.values()))])
 
     def scan_body(c, w, x):
-      full = [w[str(p)] if p in streamed else x[str(p)]
-              for p in xs_positions]
+      # A weight copy's slice comes in narrower than the body takes it
+      # (weight_copies): widened, exactly.
+      full = [w[str(p)].astype(body.jaxpr.invars[p].aval.dtype)
+              if p in streamed else x[str(p)] for p in xs_positions]
       out = jax_compat.eval_jaxpr(body.jaxpr, body.consts, *consts, *c,
                                   *full)
       return list(out[:n_carry]), list(out[n_carry:])

@@ -10,6 +10,11 @@ fetches the copy in place of the master and its cast. 2 bytes a parameter
 come in instead of 4, and the values are the same bits: the cast rounds to
 nearest even on the device, as the copy does on the host.
 
+A stacked weight that a ``lax.scan`` streams layer by layer counts where
+the loop's body only casts its slice: the loop then streams the copy's
+slices, widened back to float32 at the body's door (exact, and the body's
+own cast gives the copy's bits back).
+
 The pool keeps each copy fresh: anything else that writes the master (a
 `put`, a checkpoint's restore, a step with its update on the device) makes
 the next read of the copy convert the master anew.
@@ -42,6 +47,7 @@ class WeightCopy:
   key: Any          # the copy's key in the program
   dtype: np.dtype
   casts: list[Node]
+  scans: list[tuple[Node, int]]  # loops streaming it, and where
   target: PoolArray  # the master's object
   copy: PoolArray | None = None  # made by `HostUpdates.bind`
 
@@ -51,6 +57,43 @@ def _cast_dtype(node: Node) -> str | None:
   if eqn is None or eqn.primitive.name != "convert_element_type":
     return None
   return str(np.dtype(eqn.outvars[0].aval.dtype))
+
+
+def _casts_in(jaxpr: Any, var: Any) -> set[str | None]:
+  """The dtypes `jaxpr` casts `var` to, or a None among them where it
+  uses `var` otherwise (returns it, or computes with it)."""
+  dtypes: set[str | None] = set()
+  if any(v is var for v in jaxpr.outvars):
+    dtypes.add(None)
+  for eqn in jaxpr.eqns:
+    if not any(v is var for v in eqn.invars):
+      continue
+    if eqn.primitive.name == "convert_element_type":
+      dtypes.add(str(np.dtype(eqn.outvars[0].aval.dtype)))
+    else:
+      dtypes.add(None)
+  return dtypes
+
+
+def _uses(program: Program, node: Node, source: Any
+          ) -> tuple[set[str | None], list[int]]:
+  """How `node` uses `source`: the dtypes it casts it to (None: some
+  other way), and the xs positions of a scan whose body only casts its
+  slice there."""
+  dtype = _cast_dtype(node)
+  if dtype is not None:
+    return {dtype}, []
+  eqn = node.eqn
+  positions = [p for p, a in enumerate(node.ins)
+               if program.resolve(a) == source]
+  if eqn is None or eqn.primitive.name != "scan":
+    return {None}, []
+  first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+  body = eqn.params["jaxpr"].jaxpr
+  dtypes: set[str | None] = set()
+  for p in positions:
+    dtypes |= _casts_in(body, body.invars[p]) if p >= first_xs else {None}
+  return dtypes, positions
 
 
 def find(program: Program, nodes: list[Any], resident: dict[Any, Any],
@@ -73,15 +116,23 @@ def find(program: Program, nodes: list[Any], resident: dict[Any, Any],
     for new_value, target in node.writes.items():
       source = source_of.get(id(target))
       uses = consumers.get(source, [])
-      dtypes = {_cast_dtype(n) for n in uses}
+      dtypes, casts, scans = set(), [], []
+      for n in uses:
+        how, positions = _uses(program, n, source)
+        dtypes |= how
+        if positions:
+          scans += [(n, p) for p in positions]
+        elif _cast_dtype(n) is not None:
+          casts.append(n)
       if (source is None or str(target.dtype) != "float32" or
           source in outputs or not uses or len(dtypes) != 1 or
           not dtypes <= _COPY_DTYPES or
-          any(o in outputs for n in uses for o in n.outs)):
+          any(o in outputs for n in casts for o in n.outs)):
         continue
       node.copies.append(WeightCopy(
           source=source, new_value=new_value, key=("copy", source),
-          dtype=np.dtype(dtypes.pop()), casts=list(uses), target=target))
+          dtype=np.dtype(dtypes.pop()), casts=casts, scans=scans,
+          target=target))
 
 
 def apply(program: Program, nodes: list[Any], resident: dict[Any, Any],
@@ -97,6 +148,8 @@ def apply(program: Program, nodes: list[Any], resident: dict[Any, Any],
       for cast in c.casts:
         program.alias[cast.outs[0]] = c.key
         removed.add(id(cast))
+      for scan, position in c.scans:  # widened in the loop (Interpreter)
+        scan.ins[position] = c.key
       # Its reads must be done before the run overwrites it.
       node.overwritten.append(c.key)
   program.nodes = [n for n in program.nodes if id(n) not in removed]
