@@ -292,6 +292,35 @@ class ChoicesTest:
     assert {l.update for l in step.plan.layers} <= {"device", "mixed"}
     assert "scale_by_trust_ratio" in str(step.plan)
 
+  def test_state_sharded_over_devices_stays_on_the_device(self, pool):
+    params, loss_fn = mlp(scan=False)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    rows = lambda tree: jax.tree.map(  # rows over the two (a scalar: both)
+        lambda a: jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(*("x",)[:np.ndim(a)])), tree)
+    tx = optax.adam(1e-2)
+    data = batches(3)
+
+    def run_sharded(update):
+      step = jcxl.cxl_offload(make_step(loss_fn, tx), update=update)
+      p = jcxl.place(params, "cxl", pool=pool, sharding=rows(params))
+      s = jcxl.place(tx.init(params), "cxl", pool=pool,
+                     sharding=rows(tx.init(params)))
+      losses = []
+      for x in data:
+        p, s, loss = step(p, s, x)
+        losses.append(float(loss))
+      return step, losses
+
+    with pytest.raises(ValueError, match=r"update='host' cannot run the "
+                       r"update of .* its state is sharded over 2 devices"):
+      run_sharded("host")
+    step, losses = run_sharded("auto")
+    _, dev_losses, _, _ = run(pool, params, loss_fn, tx, data, "device")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert {l.update for l in step.plan.layers} == {"device"}
+    assert "sharded over 2 devices" in str(step.plan)
+
   def test_an_unknown_update_is_refused(self):
     with pytest.raises(ValueError, match="update must be one of"):
       jcxl.cxl_offload(lambda x: x, update="cpu")
