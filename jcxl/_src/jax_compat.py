@@ -116,3 +116,13 @@ def dce_jaxpr(jaxpr, used_outputs):
   that work reads (a list of bools, one per input)."""
   from jax._src.interpreters import partial_eval  # pylint: disable=g-import-not-at-top
   return partial_eval.dce_jaxpr(jaxpr, used_outputs, instantiate=True)
+
+
+def cast_eqn(aval, dtype):
+  """A ``convert_element_type`` equation from values of `aval` to `dtype`
+  (its input variable has `aval`)."""
+  struct = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+  closed = jax.make_jaxpr(lambda x: jax.lax.convert_element_type(x, dtype))(
+      struct)
+  (eqn,) = closed.jaxpr.eqns
+  return eqn

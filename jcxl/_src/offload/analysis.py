@@ -22,6 +22,7 @@ from jcxl._src import shardings as shardings_lib
 from jcxl._src.dap import costmodel
 from jcxl._src.offload import host_runs
 from jcxl._src.offload import host_update
+from jcxl._src.offload import scan_casts
 from jcxl._src.offload import weight_copies
 from jcxl._src.offload.clusters import FetchClusters
 from jcxl._src.offload.host_update import HostUpdateNode
@@ -234,6 +235,8 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
       layer_of(key_paths[("in", prep.targets[j])])
       if j in prep.targets and ("in", prep.targets[j]) in key_paths
       else None for j in range(len(program.outputs))]
+  if update != "device":  # the gradients may then leave narrower
+    scan_casts.hoist(program)
   reorder_by_layer(program, output_layers, set(resident))
   stores, returned = {}, []
   num_out = prep.out_tree.num_leaves
