@@ -40,8 +40,8 @@ _COPY_DTYPES = frozenset({"bfloat16"})
 
 @dataclasses.dataclass(eq=False)
 class WeightCopy:
-  """A weight the step reads only through one cast, and the copy that
-  stands in for that cast."""
+  """A weight the step reads only through casts to one dtype (its own, or
+  in a loop's body), and the copy that stands in for them."""
   source: Any       # the master weight's key (a step argument)
   new_value: Any    # the key of its new value, which the host update writes
   key: Any          # the copy's key in the program
