@@ -31,10 +31,9 @@ from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
 from jcxl._src.offload.program import layer_of
-from jcxl._src.offload.regions import ELEMENTWISE
 from jcxl._src.offload.regions import Uses
 from jcxl._src.offload.regions import absorb
-from jcxl._src.offload.regions import full_shape
+from jcxl._src.offload.regions import elementwise_shape
 from jcxl._src.offload.regions import trim
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import PoolArray
@@ -185,16 +184,7 @@ def find(program: Program, resident: dict[Any, Any],
   outputs = set(returned)
 
   def elementwise(n: int) -> bool:
-    node = program.nodes[n]
-    if node.eqn is None or node.eqn.primitive.name not in ELEMENTWISE:
-      return False
-    shape = full_shape(node)
-    if not shape:
-      return False
-    if node.eqn.primitive.name == "broadcast_in_dim":
-      return tuple(node.eqn.invars[0].aval.shape) == ()
-    return all(not tuple(v.aval.shape) or tuple(v.aval.shape) == shape
-               for v in node.eqn.invars)
+    return elementwise_shape(program.nodes[n]) is not None
 
   # The work on pool state: elementwise equations reading it, or reading
   # such work's results.

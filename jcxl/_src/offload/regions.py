@@ -30,6 +30,22 @@ def full_shape(node: Node) -> tuple[int, ...] | None:
   return shapes.pop() if len(shapes) == 1 else None
 
 
+def elementwise_shape(node: Node) -> tuple[int, ...] | None:
+  """The one shape an elementwise node computes on (its results' and each
+  of its array inputs'; a broadcast only of a scalar), or None where the
+  node is not such work."""
+  if node.eqn is None or node.eqn.primitive.name not in ELEMENTWISE:
+    return None
+  shape = full_shape(node)
+  if not shape:
+    return None
+  if node.eqn.primitive.name == "broadcast_in_dim":
+    return shape if tuple(node.eqn.invars[0].aval.shape) == () else None
+  if any(tuple(v.aval.shape) not in ((), shape) for v in node.eqn.invars):
+    return None
+  return shape
+
+
 class Uses:
   """Producers and consumers of a flat program's values."""
 

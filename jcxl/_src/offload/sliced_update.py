@@ -25,9 +25,9 @@ from jcxl._src.pool_array import PoolArray
 from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
-from jcxl._src.offload.regions import ELEMENTWISE
 from jcxl._src.offload.regions import Uses
 from jcxl._src.offload.regions import absorb
+from jcxl._src.offload.regions import elementwise_shape
 from jcxl._src.offload.regions import full_shape
 from jcxl._src.offload.regions import trim
 
@@ -109,17 +109,13 @@ def _slice_group(program: Program, resident: dict[Any, Any],
   def elementwise(n):
     """Whether node n is elementwise on one [L, ...] shape (and scalars)."""
     node = program.nodes[n]
-    if node.eqn is None or node.eqn.primitive.name not in ELEMENTWISE:
+    if elementwise_shape(node) is None:
       return False
-    shape = full_shape(node)
-    if not shape:
-      return False
-    if node.eqn.primitive.name == "broadcast_in_dim":
-      return tuple(node.eqn.invars[0].aval.shape) == ()
+    # Its arrays are computed or stacked state: not literals, not other
+    # pool values.
     for atom, var in zip(node.ins, node.eqn.invars):
       key = program.resolve(atom)
-      in_shape = tuple(var.aval.shape)
-      if in_shape and (in_shape != shape or isinstance(key, Lit) or (
+      if tuple(var.aval.shape) and (isinstance(key, Lit) or (
           key in resident and key not in stacked)):
         return False
     return True
