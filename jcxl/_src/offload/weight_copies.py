@@ -22,15 +22,14 @@ the next read of the copy convert the master anew.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any
 
 import numpy as np
 
-from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
+from jcxl._src.offload.regions import Uses
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.units import format_bytes
 
@@ -102,12 +101,7 @@ def find(program: Program, nodes: list[Any], resident: dict[Any, Any],
   candidate copies (``node.copies``): the float32 weights it writes whose
   every other use in the step is one cast to a copy dtype (`returned`:
   the values the step returns, which must stay as they are)."""
-  consumers: dict[Any, list[Node]] = collections.defaultdict(list)
-  for n in program.nodes:
-    for atom in n.ins:
-      key = program.resolve(atom)
-      if not isinstance(key, Lit):
-        consumers[key].append(n)
+  consumers = Uses(program).consumers
   outputs = returned
   source_of = {id(v): k for k, v in resident.items()
                if isinstance(v, PoolArray)}
@@ -115,7 +109,7 @@ def find(program: Program, nodes: list[Any], resident: dict[Any, Any],
     node.copies = []
     for new_value, target in node.writes.items():
       source = source_of.get(id(target))
-      uses = consumers.get(source, [])
+      uses = [program.nodes[n] for n in sorted(consumers.get(source, ()))]
       dtypes, casts, scans = set(), [], []
       for n in uses:
         how, positions = _uses(program, n, source)
