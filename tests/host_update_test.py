@@ -9,6 +9,7 @@ from absl import app
 from absl import flags
 from absl.testing import flagsaver
 from experiments import host_update
+from experiments.common import make_train_step as make_step
 import jax
 import jax.numpy as jnp
 import jcxl
@@ -81,14 +82,6 @@ def batches(n, shape=(BATCH, DIM)):
   return [rng.normal(size=shape).astype(np.float32) for _ in range(n)]
 
 
-def make_step(loss_fn, tx):
-  def train_step(params, opt_state, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return train_step
-
-
 def run(pool, params, loss_fn, tx, data, update, tier="cxl", **offload):
   """Trains on `data`: the step, its losses, the final parameters and
   optimizer state (see `run_counted`)."""
@@ -97,12 +90,13 @@ def run(pool, params, loss_fn, tx, data, update, tier="cxl", **offload):
 
 
 def run_counted(pool, params, loss_fn, tx, data, update, tier="cxl",
-                **offload):
+                sharding=None, **offload):
   """As `run`, and the bytes the last step read from and wrote to `tier`
-  (the pool's counters)."""
+  (the pool's counters); `sharding(tree)`: the state's shardings."""
   step = jcxl.cxl_offload(make_step(loss_fn, tx), update=update, **offload)
-  p = jcxl.place(params, tier, pool=pool)
-  s = jcxl.place(tx.init(params), tier, pool=pool)
+  place = lambda tree: jcxl.place(tree, tier, pool=pool, sharding=(
+      sharding(tree) if sharding else None))
+  p, s = place(params), place(tx.init(params))
   losses = []
   for x in data:
     before = pool.stats()[tier]
@@ -301,22 +295,11 @@ class ChoicesTest:
             mesh, jax.sharding.PartitionSpec(*("x",)[:np.ndim(a)])), tree)
     tx = optax.adam(1e-2)
     data = batches(3)
-
-    def run_sharded(update):
-      step = jcxl.cxl_offload(make_step(loss_fn, tx), update=update)
-      p = jcxl.place(params, "cxl", pool=pool, sharding=rows(params))
-      s = jcxl.place(tx.init(params), "cxl", pool=pool,
-                     sharding=rows(tx.init(params)))
-      losses = []
-      for x in data:
-        p, s, loss = step(p, s, x)
-        losses.append(float(loss))
-      return step, losses
-
     with pytest.raises(ValueError, match=r"update='host' cannot run the "
                        r"update of .* its state is sharded over 2 devices"):
-      run_sharded("host")
-    step, losses = run_sharded("auto")
+      run(pool, params, loss_fn, tx, data, "host", sharding=rows)
+    step, losses, _, _ = run(pool, params, loss_fn, tx, data, "auto",
+                             sharding=rows)
     _, dev_losses, _, _ = run(pool, params, loss_fn, tx, data, "device")
     np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
     assert {l.update for l in step.plan.layers} == {"device"}

@@ -6,6 +6,7 @@ import os
 import re
 
 from experiments import cluster
+from experiments.common import make_train_step as make_step
 import jax
 import jax.numpy as jnp
 import jcxl
@@ -55,14 +56,6 @@ def scanned_model(layers=LAYERS):
 
 
 MODELS = {"unrolled": unrolled_model, "scanned": scanned_model}
-
-
-def make_step(loss_fn, tx):
-  def train_step(params, opt_state, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return train_step
 
 
 def sgd_step_in_cxl(pool, model, **offload):
