@@ -186,6 +186,27 @@ def _state_bytes(tree: Any) -> int:
   return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
+def _counted(pool: jcxl.Pool, mode: _Mode, batch: Any, n_params: int,
+             what: str) -> dict[str, float]:
+  """One step of `mode`: the bytes per parameter it moved each way across
+  the cxl tier's link (the pool's counters), printed as `what`'s."""
+  before = pool.stats()["cxl"]
+  mode(batch)
+  after = pool.stats()["cxl"]
+  read = (after.bytes_read - before.bytes_read) / n_params
+  written = (after.bytes_written - before.bytes_written) / n_params
+  print(f"{what}: {read + written:.2f} B/param a step ({read:.2f} in, "
+        f"{written:.2f} out)", flush=True)
+  return {"read_per_param": read, "written_per_param": written,
+          "total_per_param": read + written}
+
+
+def _max_relative(losses: Any, reference: Any) -> float:
+  """The largest relative difference of two runs' losses, step by step."""
+  return float(np.max(np.abs(np.subtract(losses, reference)) /
+                      np.abs(reference)))
+
+
 def _bf16_traffic(config: Config, tx: Any, data: list[Any]
                   ) -> dict[str, Any]:
   """Models computing in bfloat16 from float32 master weights, weights
@@ -219,25 +240,18 @@ def _bf16_traffic(config: Config, tx: Any, data: list[Any]
         step = jcxl.cxl_offload(train_step, update=update, refetch=False)
         mode = _Mode(update, step, jcxl.place(params, "cxl", pool=pool),
                      jcxl.place(tx.init(params), "cxl", pool=pool))
-        for batch in data:
-          before = pool.stats()["cxl"]
+        for batch in data[:-1]:
           mode(batch)
-          after = pool.stats()["cxl"]
-        read = (after.bytes_read - before.bytes_read) / n_params
-        written = (after.bytes_written - before.bytes_written) / n_params
-        result[update] = {
-            "read_per_param": read, "written_per_param": written,
-            "total_per_param": read + written, "losses": mode.losses,
-            "weight_copies": next((u for u in step.plan.updates
-                                   if u.startswith("weight copies")), "")}
-        print(f"{name}, bfloat16 compute, update={update}: "
-              f"{read + written:.2f} B/param a step ({read:.2f} in, "
-              f"{written:.2f} out)", flush=True)
+        result[update] = _counted(
+            pool, mode, data[-1], n_params,
+            f"{name}, bfloat16 compute, update={update}")
+        result[update].update(
+            losses=mode.losses,
+            weight_copies=next((u for u in step.plan.updates
+                                if u.startswith("weight copies")), ""))
         del mode
-    result["loss_max_relative_difference_host_vs_device"] = float(np.max(
-        np.abs(np.subtract(result["host"]["losses"],
-                           result["device"]["losses"])) /
-        np.abs(result["device"]["losses"])))
+    result["loss_max_relative_difference_host_vs_device"] = _max_relative(
+        result["host"]["losses"], result["device"]["losses"])
     out[name] = result
   return out
 
@@ -338,15 +352,7 @@ def run(config: Config) -> dict[str, Any]:
       print(f"{name}: compiled and warmed up", flush=True)
     traffic = {}
     for name in OFFLOADED:
-      before = pool.stats()["cxl"]
-      modes[name](data[2])
-      after = pool.stats()["cxl"]
-      read = (after.bytes_read - before.bytes_read) / n_params
-      written = (after.bytes_written - before.bytes_written) / n_params
-      traffic[name] = {"read_per_param": read, "written_per_param": written,
-                       "total_per_param": read + written}
-      print(f"{name}: {read + written:.2f} B/param a step "
-            f"({read:.2f} in, {written:.2f} out)", flush=True)
+      traffic[name] = _counted(pool, modes[name], data[2], n_params, name)
     modes["resident"](data[2])
     times = {name: [] for name in MODES}
     for r in range(config.rounds):
@@ -363,9 +369,7 @@ def run(config: Config) -> dict[str, Any]:
   kernel = host_update_bandwidth.measure(
       config.kernel_elements, repeats=5)
   losses = {n: modes[n].losses for n in MODES}
-  loss_rel = max(float(np.max(np.abs(np.subtract(losses[n],
-                                                 losses["device"])) /
-                              np.abs(losses["device"])))
+  loss_rel = max(_max_relative(losses[n], losses["device"])
                  for n in ("host", "host_once"))
   paired = lambda a, b: float(np.median(np.divide(times[a], times[b])))
   results = {
@@ -386,9 +390,8 @@ def run(config: Config) -> dict[str, Any]:
       "zoo": zoo,
       "host_kernel": kernel,
       "loss_max_relative_difference_host_vs_device": loss_rel,
-      "loss_max_relative_difference_device_vs_resident": float(np.max(
-          np.abs(np.subtract(losses["device"], losses["resident"])) /
-          np.abs(losses["resident"]))),
+      "loss_max_relative_difference_device_vs_resident": _max_relative(
+          losses["device"], losses["resident"]),
       "host_plan": plan,
   }
   checks = [
