@@ -416,6 +416,8 @@ StatusOr<int32_t> Pool::AllocateCopy(int32_t source, std::string dtype,
 
 Status Pool::RefreshIfStale(int32_t handle) {
   std::unique_lock<std::mutex> lock(mu_);
+  // As StartUpdate: a refresh takes addresses, and joins no compaction.
+  unpinned_cv_.wait(lock, [this] { return !compacting_; });
   StatusOr<Object*> found = Lookup(handle);
   if (!found.ok() || (*found)->copy_of == 0) return Status::Ok();
   const Object& copy = **found;

@@ -264,7 +264,8 @@ class Pool {
   Status RefreshIfStale(int32_t handle);
   // Refuses a write of a copy by anything but the pool; caller holds mu_.
   Status CheckWritable(int32_t handle, const Object& object);
-  // Starts a run of `program` (`id` 0: the pool's own); `lock` holds mu_.
+  // Starts a run of `program` (`id` 0: the pool's own); `lock` holds mu_,
+  // taken once no compaction runs (the run's addresses are taken now).
   StatusOr<std::shared_ptr<UpdateRun>> StartProgram(
       std::unique_lock<std::mutex>& lock,
       std::shared_ptr<const UpdateProgram> program, int32_t id,
