@@ -514,9 +514,10 @@ class ExperimentTest:
                        match="--n_embd must be a multiple of 64"):
       run_program("--n_embd=100")
 
-  def test_no_rounds_is_refused(self, run_program):
-    with pytest.raises(flags.IllegalFlagValueError, match="rounds"):
-      run_program("--rounds=0")
+  @pytest.mark.parametrize("flag", ["rounds", "zoo_rounds"])
+  def test_no_rounds_is_refused(self, run_program, flag):
+    with pytest.raises(flags.IllegalFlagValueError, match=flag):
+      run_program(f"--{flag}=0")
 
   def test_json_out_that_is_a_directory_is_refused(self, run_program,
                                                    tmp_path):
