@@ -22,6 +22,7 @@ from absl import logging
 
 from benchmarks import alloc_trace
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from experiments import results_file
 
 _MODELS = flags.DEFINE_list(
@@ -94,4 +95,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main)

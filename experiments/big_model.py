@@ -73,6 +73,7 @@ import jcxl
 from benchmarks import bench
 from experiments import common
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from jcxl import TransferRecord
 from jcxl.units import format_bytes
 from jcxl.units import parse_bytes
@@ -771,4 +772,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main, flags_parser=common.flags_parser(FLAGS, __doc__))

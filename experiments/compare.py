@@ -69,6 +69,7 @@ from benchmarks import bench
 import jcxl
 from experiments import common as exp_common
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from experiments import max_model
 from experiments import plots as exp_plots
 from jcxl.planning import device_need
@@ -694,4 +695,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main, flags_parser=exp_common.flags_parser(FLAGS, __doc__))

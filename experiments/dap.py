@@ -64,6 +64,7 @@ from jcxl.units import parse_bandwidth
 from jcxl.units import parse_bytes
 from experiments import common as exp_common
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from experiments import plots as exp_plots
 from models import common
 from models import gpt2
@@ -724,4 +725,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main, flags_parser=exp_common.flags_parser(FLAGS, __doc__))

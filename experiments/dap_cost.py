@@ -39,6 +39,7 @@ import optax
 import jcxl
 from experiments import common as exp_common
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from jcxl.units import parse_bandwidth
 from jcxl.units import parse_bytes
 from models import common
@@ -257,4 +258,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main, flags_parser=exp_common.flags_parser(FLAGS, __doc__))

@@ -83,6 +83,7 @@ import jcxl
 from experiments import common as exp_common
 from experiments import compare
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from experiments import host_update as host_update_exp
 from jcxl import _jcxl
 from jcxl import streamed_scan
@@ -872,4 +873,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main, flags_parser=parse_flags)

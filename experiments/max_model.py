@@ -76,6 +76,7 @@ from benchmarks import bench
 import jcxl
 from experiments import common
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from jcxl import PoolArray
 from jcxl import Tier
 from jcxl.units import format_bytes
@@ -841,4 +842,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main, flags_parser=common.flags_parser(FLAGS, __doc__))

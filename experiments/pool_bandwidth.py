@@ -36,6 +36,7 @@ from benchmarks import bench
 import jcxl
 from experiments import common
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from jcxl import Tier
 from jcxl.units import format_bytes
 from jcxl.units import parse_bytes
@@ -298,4 +299,5 @@ def main(argv: Sequence[str]) -> None:
   common.run_program(argv, config_from_flags, run)
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main)

@@ -28,6 +28,7 @@ from typing import Any
 from absl import logging
 
 from benchmarks import bench
+from experiments import host_allocator
 
 RESULTS_DIR_ENV = "JCXL_RESULTS_DIR"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,6 +116,7 @@ def header(program: str, argv: Sequence[str], when: datetime.datetime
       ("devices", _devices()),
       ("system", f"{platform.system()} {platform.release()}, Python "
                  f"{platform.python_version()}"),
+      ("host allocator", host_allocator.describe()),
   ]
 
 

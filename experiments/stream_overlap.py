@@ -67,6 +67,7 @@ from benchmarks import bench
 import jcxl
 from experiments import common
 from experiments import flags as shared_flags
+from experiments import host_allocator
 from jcxl import fetch
 from jcxl import layer_scan
 from jcxl import place
@@ -562,4 +563,5 @@ def main(argv: Sequence[str]) -> None:
   common.run_program(argv, config_from_flags, run)
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(main, flags_parser=parse_flags)

@@ -2,7 +2,9 @@
 
 from absl import app
 
+from experiments import host_allocator
 from experiments import train
 
 if __name__ == "__main__":
+  host_allocator.start_with_huge_pages()
   app.run(train.main, flags_parser=train.parse_flags)
