@@ -95,5 +95,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  host_allocator.start_with_huge_pages()
+  host_allocator.start()
   app.run(main)

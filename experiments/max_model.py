@@ -842,5 +842,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  host_allocator.start_with_huge_pages()
+  host_allocator.start()
   app.run(main, flags_parser=common.flags_parser(FLAGS, __doc__))

@@ -299,5 +299,5 @@ def main(argv: Sequence[str]) -> None:
   common.run_program(argv, config_from_flags, run)
 
 if __name__ == "__main__":
-  host_allocator.start_with_huge_pages()
+  host_allocator.start()
   app.run(main)

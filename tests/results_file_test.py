@@ -48,8 +48,7 @@ class ResultsFileTest:
     assert re.search(r"\| machine \| \d+ cores \(\d+ usable\), .* GiB "
                      r"memory, \d+ NUMA node\(s\)", text)
     assert re.search(r"\| devices \| \d+ x .*\(cpu\); jax ", text)
-    assert re.search(r"\| host allocator \| (glibc malloc with transparent "
-                     r"huge pages|malloc with 4 KiB pages) \(", text)
+    assert re.search(r"\| host allocator \| .*malloc", text)
     # A list of flat dicts is one table, its long lists summarized and a
     # cell's "|" escaped; the tuple in the config reads as a list.
     assert ("| case | schedule | median_ms | round_ms | note |" in text)

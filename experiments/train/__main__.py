@@ -6,5 +6,5 @@ from experiments import host_allocator
 from experiments import train
 
 if __name__ == "__main__":
-  host_allocator.start_with_huge_pages()
+  host_allocator.start()
   app.run(train.main, flags_parser=train.parse_flags)
