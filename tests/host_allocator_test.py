@@ -87,3 +87,10 @@ class RerunTest:
     # (over 2000 faults for the four here, in 4 KiB pages or larger ones).
     [faults] = _run(None, _FAULTS)
     assert int(faults) < 100
+
+
+def test_the_docs_give_the_tunables_the_programs_use():
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(repo, "docs", "experiments.md"),
+            encoding="utf-8") as f:
+    assert f"GLIBC_TUNABLES={_ALL} python my_train.py" in f.read()
