@@ -374,9 +374,14 @@ def _make_node(program: Program, g: Uses, members: set[int],
   targets = list(reads.values()) + list(writes.values())
   pools = {t.pool_id for t in targets}
   for t in targets:
-    if len(t.local_handles) != 1:
-      return None, (f"its state is sharded over {len(t.local_handles)} "
-                    "devices (the host update runs unsharded state)")
+    # Counted over every process: a process holds only its own devices'
+    # handles, and its program would be sized for the whole array.
+    devices = t.sharding.device_set
+    if len(devices) != 1:
+      processes = len({d.process_index for d in devices})
+      return None, (f"its state is sharded over {len(devices)} devices"
+                    + (f" of {processes} processes" if processes > 1 else "")
+                    + " (the host update runs unsharded state)")
     if tuple(t.object_shard_shape) != tuple(t.shard_shape):
       return None, "its state is a view of a larger pool object"
     if str(t.dtype) not in _OBJECT_DTYPES:
