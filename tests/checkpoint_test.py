@@ -739,6 +739,35 @@ class IntegrityTest:
     with pytest.raises(jcxl.CheckpointCorruptError, match="files are gone"):
       jcxl.checkpoint.restore(second, like=tree)
 
+  @pytest.mark.parametrize("damage", ["truncate", "delete"])
+  def test_latest_skips_a_checkpoint_whose_data_file_is_cut_or_gone(
+      self, pool, tmp_path, damage):
+    tree = {"big": jcxl.place(np.arange(65536, dtype=np.float32), "cxl",
+                              pool=pool), "step": 1}
+    first = jcxl.checkpoint.save(tmp_path / "ckpts" / "1", tree)
+    second = jcxl.checkpoint.save(tmp_path / "ckpts" / "2", tree)
+    file = data_files(second)[0]
+    if damage == "truncate":
+      open(file, "wb").close()  # a full disk, say
+    else:
+      os.remove(file)
+    path = jcxl.checkpoint.latest(tmp_path / "ckpts")
+    assert path == first
+    assert_bit_equal(jcxl.checkpoint.restore(path, like=tree), tree)
+
+  def test_leaves_saved_under_one_name_are_refused_before_writing(
+      self, pool, tmp_path):
+    kept = jcxl.checkpoint.save(tmp_path / "ckpts" / "1", {"a.b": 1})
+    tree = {"a.b": jcxl.place(np.ones(4, np.float32), "cxl", pool=pool),
+            "a": {"b": jcxl.place(np.zeros(4, np.float32), "cxl",
+                                  pool=pool)}}
+    with pytest.raises(ValueError, match=r"leaves \['a'\]\['b'\] and "
+                       r"\['a.b'\] would both be saved as 'a.b'"):
+      jcxl.checkpoint.save(tmp_path / "ckpts" / "2", tree)
+    assert os.listdir(tmp_path / "ckpts") == ["1"]  # no temporary either
+    assert jcxl.checkpoint.latest(tmp_path / "ckpts") == kept
+    assert jcxl.checkpoint.restore(kept) == {"a.b": 1}
+
   def test_object_leaf_is_refused_before_anything_is_written(self, pool,
                                                              tmp_path):
     tree = {"w": jcxl.place(np.ones(4, np.float32), "cxl", pool=pool),

@@ -405,7 +405,9 @@ def save(path: str | os.PathLike, tree: Any, *,
   Raises:
     FileExistsError: `path` exists (checkpoints are never overwritten: save
       each one under a new name, e.g. its step).
-    ValueError: `tree` has no leaves, or `metadata` uses the key 'jcxl'.
+    ValueError: `tree` has no leaves, two of its leaves would be saved
+      under one name (``{"a.b": x}`` and ``{"a": {"b": y}}``; nothing is
+      written), or `metadata` uses the key 'jcxl'.
     TypeError: `metadata` is not JSON-serializable.
     PoolClosedError: a PoolArray's pool was closed.
   """
@@ -427,6 +429,7 @@ def save(path: str | os.PathLike, tree: Any, *,
     jax.effects_barrier()  # the stores of steps already dispatched
   item = jax.tree.map(lambda x: _PoolLeaf(x) if _is_pool_array(x) else x,
                       tree, is_leaf=_is_pool_array)
+  _check_unique_names(item)
   flat = ocp.tree.to_flat_dict(tree, sep=".", is_leaf=_is_pool_array)
   tiers = {name: leaf.tier.value for name, leaf in flat.items()
            if _is_pool_array(leaf)}  # by Orbax's parameter names
@@ -460,6 +463,28 @@ def _check_saveable(tree: Any) -> None:
                              what=f"leaf {jax.tree_util.keystr(key_path)}")
 
 
+def _check_unique_names(item: Any) -> None:
+  """Refuses two leaves that Orbax would store under one name.
+
+  Orbax names a leaf by its keys joined with '.', so ``{"a.b": x}`` and
+  ``{"a": {"b": y}}`` are both ``a.b``: one would overwrite the other's
+  data and the checkpoint could never be restored. Changing the names
+  would change the format Orbax reads, so such a tree is refused before
+  anything is written.
+  """
+  seen: dict[str, str] = {}
+  for key_path, name in jax.tree_util.tree_flatten_with_path(
+      ocp.tree.get_param_names(item))[0]:
+    where = jax.tree_util.keystr(key_path)
+    if name in seen:
+      raise ValueError(
+          f"leaves {seen[name]} and {where} would both be saved as "
+          f"{name!r} (a checkpoint names each leaf by its keys joined with "
+          "'.'), and one would overwrite the other; rename one of them. "
+          "Nothing was written")
+    seen[name] = where
+
+
 # --------------------------------------------------------------- restore
 
 
@@ -476,8 +501,11 @@ def latest(directory: str | os.PathLike) -> str | None:
 
   Newest is the one whose name ends in the largest number (``100``,
   ``step_000100``); unfinished saves (``*.orbax-checkpoint-tmp``) are
-  ignored, and so are checkpoints whose metadata files cannot be read
-  (logged; the next newest is returned).
+  ignored, and so are checkpoints ``restore`` would refuse (logged; the
+  next newest is returned): metadata or checksum files that cannot be
+  read, or a data file that is missing or shorter than the checkpoint's
+  index says (checked from the index and the files' sizes, without
+  reading the arrays).
 
   Example:
     >>> jcxl.checkpoint.latest("run/ckpt")
@@ -493,7 +521,8 @@ def latest(directory: str | os.PathLike) -> str | None:
     if match and is_complete(full):
       found.append((int(match.group(1)), full))
   for _, full in sorted(found, reverse=True):
-    problem = _unreadable_metadata(full) or _missing_checksums(full)
+    problem = (_unreadable_metadata(full) or _missing_checksums(full) or
+               checksums.missing_data(full))
     if problem is None:
       return full
     logger.warning("jcxl: skipping checkpoint %s: %s", full, problem)

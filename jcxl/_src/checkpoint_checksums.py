@@ -192,6 +192,67 @@ def _files(path: str, name: str) -> str:
 
 
 _LOCATION = re.compile(r"^(?:btreenode|value):([^:]*):([^:]+):\d+:\d+$")
+# Any reference in an OCDBT manifest or B-tree node: kind, the directory
+# (relative to the checkpoint), the file in it, offset and length.
+_REFERENCE = re.compile(
+    r"^(?:btreenode|value|versionnode):([^:]*):([^:]+):(\d+):(\d+)$")
+
+
+def missing_data(path: str) -> str | None:
+  """Why the checkpoint's data files do not hold what its index says, or
+  None.
+
+  Cheap: reads the OCDBT manifest and B-tree nodes (a few KiB), never the
+  arrays. Every file they point into must exist and reach the end of each
+  region pointed at: a data file deleted or cut short (to 0 bytes by a
+  full disk, say) is found without reading it. A checkpoint without OCDBT
+  (Orbax's ``use_ocdbt=False``) is not checked.
+  """
+  if not (os.path.exists(os.path.join(path, "manifest.ocdbt")) or
+          glob.glob(os.path.join(glob.escape(path), "ocdbt.process_*"))):
+    return None
+  try:
+    needed = _referenced_sizes(path)
+  except Exception as e:  # tensorstore raises ValueError and others
+    return f"its OCDBT index cannot be read ({e})"
+  for file, size in sorted(needed.items()):
+    try:
+      have = os.stat(file).st_size
+    except OSError as e:
+      return f"data file {file} cannot be read ({e.strerror})"
+    if have < size:
+      return (f"data file {file} holds {have} bytes, but the checkpoint's "
+              f"index points at bytes up to {size}")
+  return None
+
+
+def _referenced_sizes(path: str) -> dict[str, int]:
+  """Each file the newest OCDBT version points into: the end of the last
+  region pointed at in it."""
+  base = ts.KvStore.open({"driver": "file", "path": path + "/"}).result()
+  versions = ts.ocdbt.dump(base).result()["versions"]
+  if not versions:
+    raise ValueError("the manifest holds no version")
+  needed: dict[str, int] = {}
+
+  def note(location: str) -> None:
+    match = _REFERENCE.match(location)
+    if match is None:
+      raise ValueError(f"unknown location {location!r}")
+    file = os.path.join(path, match.group(1) + match.group(2))
+    end = int(match.group(3)) + int(match.group(4))
+    needed[file] = max(needed.get(file, 0), end)
+
+  pending = [versions[-1]["root"]["location"]]
+  while pending:
+    location = pending.pop()
+    note(location)
+    for entry in ts.ocdbt.dump(base, location).result().get("entries", []):
+      if "location" in entry:  # a child node
+        pending.append(entry["location"])
+      elif "indirect_value" in entry:  # a value in a data file
+        note(entry["indirect_value"])
+  return needed
 
 
 def _chunk_files(path: str, name: str) -> set[str]:
