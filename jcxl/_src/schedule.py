@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -283,14 +284,75 @@ class Plan:
 
   @classmethod
   def load(cls, path: str) -> Plan:
+    """Reads a plan file (``Plan.save``): a regular file of at most
+    ``MAX_PLAN_BYTES``.
+
+    Raises:
+      ValueError: `path` cannot be read, is not a regular file (a FIFO or
+        a device would never end), is larger than ``MAX_PLAN_BYTES``, or
+        does not hold a plan.
+    """
+    text = _read_plan_file(path)
     try:
-      with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    except OSError as e:
-      raise ValueError(f"cannot read plan {path!r}: {e.strerror}") from None
+      data = json.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise ValueError(f"plan {path!r} is not UTF-8 text: {e}") from None
     except json.JSONDecodeError as e:
       raise ValueError(f"plan {path!r} is not JSON: {e}") from None
     return cls.from_json(data)
+
+
+# A plan is a few KiB per hundred layers; anything this large is not one.
+MAX_PLAN_BYTES = 64 << 20
+
+
+def _read_plan_file(path: str) -> bytes:
+  """The bytes of the plan file at `path`, refusing what is not one before
+  reading it."""
+  try:
+    # O_NONBLOCK: opening a FIFO with no writer would otherwise wait forever.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+  except OSError as e:
+    raise ValueError(f"cannot read plan {path!r}: {e.strerror}") from None
+  try:
+    info = os.fstat(fd)  # the file opened, not whatever the path is now
+    if not stat.S_ISREG(info.st_mode):
+      raise ValueError(
+          f"plan {path!r} is not a regular file (it is a "
+          f"{_file_kind(info.st_mode)}); pass the path of a file written by "
+          "Plan.save")
+    if info.st_size > MAX_PLAN_BYTES:
+      raise ValueError(
+          f"plan {path!r} is {info.st_size} bytes, larger than a plan file "
+          f"may be ({format_bytes(MAX_PLAN_BYTES)}); it is not a plan "
+          "written by Plan.save")
+    os.set_blocking(fd, True)
+    chunks, size = [], 0
+    while size <= MAX_PLAN_BYTES:  # (a file still growing stops here too)
+      chunk = os.read(fd, min(1 << 20, MAX_PLAN_BYTES + 1 - size))
+      if not chunk:
+        break
+      chunks.append(chunk)
+      size += len(chunk)
+  except OSError as e:
+    raise ValueError(f"cannot read plan {path!r}: {e.strerror}") from None
+  finally:
+    os.close(fd)
+  if size > MAX_PLAN_BYTES:
+    raise ValueError(
+        f"plan {path!r} grew past {format_bytes(MAX_PLAN_BYTES)} while it "
+        "was read, more than a plan file may hold")
+  return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+  for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                     (stat.S_ISCHR, "character device"),
+                     (stat.S_ISBLK, "block device"),
+                     (stat.S_ISSOCK, "socket")):
+    if test(mode):
+      return kind
+  return "special file"
 
 
 def placement_lines(leaves: Sequence[tuple[str, int, int]]
