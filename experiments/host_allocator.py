@@ -100,9 +100,30 @@ def environment_with_tunables(environ: dict[str, str]
   return {**environ, _ENV: f"{existing}:{added}" if existing else added}
 
 
+def _cannot_rerun() -> str | None:
+  """Why running this program again would not run the same program, or
+  None."""
+  if not sys.executable:  # argv[0] was not found on PATH
+    return "the interpreter's own path is unknown (sys.executable is empty)"
+  if not os.access(sys.executable, os.X_OK):
+    return f"the interpreter {sys.executable!r} cannot be run again"
+  program = sys.argv[0] if sys.argv else ""
+  if program in ("", "-"):
+    return "the program was read from standard input, which is used up"
+  if program != "-c" and not (os.path.isfile(program) or
+                              os.path.isdir(program)):
+    # e.g. python <(...): the pipe it was read from is used up
+    return f"the program {program!r} cannot be read again"
+  return None
+
+
 def start() -> None:
   """Runs this program again, from the start, with ``TUNABLES``; returns
   (having changed nothing) where that is not wanted or possible.
+
+  Where running it again would not run the same program (one read from
+  standard input, an interpreter whose path is unknown), the program runs
+  on, untuned, and says so on stderr; ``describe`` says so in its results.
 
   Call it first thing in a program's ``__main__`` block: `os.execve`
   replaces the process, so nothing done before it survives.
@@ -112,7 +133,19 @@ def start() -> None:
   if environ is None or not argv:
     return
   # Before app.run absl's logging is not set up yet: plain stderr.
+  def untuned(why: str) -> None:
+    print(f"not re-running with {_ENV}: {why}; running on with glibc "
+          "malloc's defaults, untuned, as the results' header will say "
+          "(see experiments/host_allocator.py)", file=sys.stderr, flush=True)
+
+  why = _cannot_rerun()
+  if why is not None:
+    untuned(why)
+    return
   sys.stdout.flush()
   print(f"re-running with {_ENV}={environ[_ENV]} (malloc keeps its memory: "
         "see experiments/host_allocator.py)", file=sys.stderr, flush=True)
-  os.execve(sys.executable, [sys.executable, *argv[1:]], environ)
+  try:
+    os.execve(sys.executable, [sys.executable, *argv[1:]], environ)
+  except (OSError, ValueError) as e:  # the process is unchanged
+    untuned(f"cannot run {sys.executable!r} ({e})")

@@ -22,6 +22,7 @@ print(os.environ.get("GLIBC_TUNABLES"), os.environ["STARTS"],
       host_allocator.tuned())
 """
 _GLIBC = platform.libc_ver()[0] == "glibc"
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ALL = ":".join(f"{k}={v}" for k, v in host_allocator.TUNABLES.items())
 
 
@@ -81,6 +82,27 @@ class RerunTest:
   def test_a_users_malloc_setting_starts_once_as_it_is(self):
     assert _run("glibc.malloc.arena_max=4") == [
         "glibc.malloc.arena_max=4", "1", "False"]
+
+  def test_a_program_from_stdin_runs_once_untuned_and_says_so(self):
+    # Run again, it would find its program (stdin) used up and do nothing.
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-", "arg"], input=_PROGRAM,
+                         env=env, cwd=_REPO, capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.split() == ["None", "1", "False"]
+    assert "read from standard input" in out.stderr
+    assert "running on with glibc malloc's defaults" in out.stderr
+
+  def test_an_interpreter_of_unknown_path_runs_once_untuned(self):
+    # argv[0] not on PATH, as some supervisors start processes: Python
+    # cannot tell its own path (sys.executable is '').
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run(["no-such-interpreter-name", "-c", _PROGRAM],
+                         executable=sys.executable, env=env, cwd=_REPO,
+                         capture_output=True, text=True, check=True,
+                         timeout=120)
+    assert out.stdout.split() == ["None", "1", "False"]
+    assert "sys.executable is empty" in out.stderr
 
   def test_a_tuned_program_reuses_freed_memory(self):
     # Untuned, each round maps its 64 MiB afresh and faults it in again
