@@ -10,61 +10,12 @@
 #include <utility>
 #include <vector>
 
+#include "execution_transfers.h"
 #include "pool.h"
 #include "stream_common.h"
 
 namespace jcxl {
 namespace {
-
-// How long a `done` whose wait timed out gives the cancelled copy to stop
-// before the step fails and XLA may reuse the buffer.
-constexpr int64_t kCancelGraceNs = 2'000'000'000;
-
-// Copies in flight, by the address of the buffer they read or write.
-class InFlight {
- public:
-  static InFlight& Get() {
-    static auto* table = new InFlight();
-    return *table;
-  }
-  // A buffer address is reused only once XLA freed the buffer; if a failed
-  // step left a copy behind at this address, stop it and let it finish
-  // before the new one may run (cancelled, it ends after the chunk it is
-  // on).
-  void Add(const void* address, std::shared_ptr<Ticket> ticket) {
-    std::shared_ptr<Ticket> stale;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto [it, inserted] = tickets_.try_emplace(address, ticket);
-      if (!inserted) {
-        stale = std::move(it->second);
-        it->second = std::move(ticket);
-      }
-    }
-    if (stale) {
-      stale->Cancel();
-      stale->Wait(INT64_MAX);
-    }
-  }
-  // Puts back a copy that is still running after its `done` gave up, so the
-  // next transfer into this address waits for it (see Add).
-  void Restore(const void* address, std::shared_ptr<Ticket> ticket) {
-    std::lock_guard<std::mutex> lock(mu_);
-    tickets_.try_emplace(address, std::move(ticket));
-  }
-  std::shared_ptr<Ticket> Take(const void* address) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = tickets_.find(address);
-    if (it == tickets_.end()) return nullptr;
-    std::shared_ptr<Ticket> ticket = std::move(it->second);
-    tickets_.erase(it);
-    return ticket;
-  }
-
- private:
-  std::mutex mu_;
-  std::unordered_map<const void*, std::shared_ptr<Ticket>> tickets_;
-};
 
 // Reads the handle and the slice index from the step's (host) operands.
 ffi::ErrorOr<Target> ResolveOnHost(const char* handler, int32_t pool_id,
@@ -138,33 +89,46 @@ void AdviseHugePages(void* data, uint64_t bytes) {
   }
 }
 
-ffi::Error Wait(const char* handler, const void* address, int64_t timeout_ms) {
-  std::shared_ptr<Ticket> ticket = InFlight::Get().Take(address);
-  if (!ticket) {
-    return NoTransferInFlight(handler);
-  }
+ffi::Error Wait(const char* handler, const void* address,
+                int64_t timeout_ms) {
+  std::shared_ptr<Ticket> ticket = ExecutionTransfers::Get().Take(address);
+  if (!ticket) return NoTransferInFlight(handler);
   const int64_t started = NowNs();
   Status status = ticket->Wait(TimeoutNs(timeout_ms));
   LogWait(ticket, started, NowNs());
   if (!status.ok()) {
-    if (!ticket->done()) {
-      // The step fails here and XLA frees the buffer: stop the copy first.
-      ticket->Cancel();
-      if (!ticket->Wait(kCancelGraceNs).ok() && !ticket->done()) {
-        InFlight::Get().Restore(address, ticket);
-      }
-    }
+    // The step fails here and XLA frees the buffer: stop the copy first.
+    ExecutionTransfers::Stop(ticket);
     return Fail(handler, status);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
-                          ffi::Buffer<ffi::S32> index, ffi::AnyBuffer,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
-                          bool stacked, int64_t block_rows, int32_t priority,
-                          int64_t chunk_bytes, ffi::Span<const int32_t>,
-                          int64_t, int64_t) {
+// Files a copy the execution started; refused if the execution failed
+// meanwhile on another thread (the copy is stopped).
+ffi::Error File(const char* handler, int64_t run, const void* address,
+                StatusOr<std::shared_ptr<Ticket>> ticket) {
+  if (!ticket.ok()) return Fail(handler, ticket.status());
+  Status filed = ExecutionTransfers::Get().Add(run, address, std::move(*ticket));
+  if (!filed.ok()) return Fail(handler, filed);
+  return ffi::Error::Success();
+}
+
+// Runs a handler's body; if it fails, the execution fails with it: every
+// copy the execution still has in flight is stopped before XLA, seeing the
+// error, frees its buffers.
+template <typename Body>
+ffi::Error FailingStopsTheExecution(ffi::RunId run, Body&& body) {
+  ffi::Error error = body();
+  if (error.failure()) ExecutionTransfers::Get().Abort(run.run_id);
+  return error;
+}
+
+ffi::Error FetchStart(int64_t run, ffi::Buffer<ffi::S32> handle,
+                      ffi::Buffer<ffi::S32> index,
+                      ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
+                      bool stacked, int64_t block_rows, int32_t priority,
+                      int64_t chunk_bytes) {
   auto target = ResolveOnHost("jcxl_fetch_start", pool_id, handle, index,
                               stacked, block_rows, *out);
   if (target.has_error()) return target.error();
@@ -172,41 +136,53 @@ ffi::Error FetchStartImpl(ffi::Buffer<ffi::S32> handle,
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Read(
       handle.typed_data()[0], out->untyped_data(), out->size_bytes(), target->offset,
       priority, static_cast<uint64_t>(chunk_bytes));
-  if (!ticket.ok()) return Fail("jcxl_fetch_start", ticket.status());
-  InFlight::Get().Add(out->untyped_data(), std::move(*ticket));
-  return ffi::Error::Success();
+  return File("jcxl_fetch_start", run, out->untyped_data(),
+              std::move(ticket));
+}
+
+ffi::Error FetchStartImpl(ffi::RunId run, ffi::Buffer<ffi::S32> handle,
+                          ffi::Buffer<ffi::S32> index, ffi::AnyBuffer,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
+                          bool stacked, int64_t block_rows, int32_t priority,
+                          int64_t chunk_bytes, ffi::Span<const int32_t>,
+                          int64_t, int64_t) {
+  return FailingStopsTheExecution(run, [&] {
+    return FetchStart(run.run_id, handle, index, out, pool_id, stacked,
+                      block_rows, priority, chunk_bytes);
+  });
 }
 
 // As FetchStartImpl, into a buffer the step already holds (aliased to the
 // result): a loop can then keep its fetched layers in place in its carry.
-ffi::Error FetchStartIntoImpl(ffi::Buffer<ffi::S32> handle,
-                              ffi::Buffer<ffi::S32> index, ffi::AnyBuffer after,
+ffi::Error FetchStartIntoImpl(ffi::RunId run, ffi::Buffer<ffi::S32> handle,
+                              ffi::Buffer<ffi::S32> index, ffi::AnyBuffer,
                               ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
                               int32_t pool_id, bool stacked, int64_t block_rows,
                               int32_t priority, int64_t chunk_bytes,
-                              ffi::Span<const int32_t> device_handles,
-                              int64_t static_index, int64_t timeout_ms) {
-  return FetchStartImpl(handle, index, after, out, pool_id, stacked, block_rows,
-                        priority, chunk_bytes, device_handles, static_index,
-                        timeout_ms);
+                              ffi::Span<const int32_t>, int64_t, int64_t) {
+  return FailingStopsTheExecution(run, [&] {
+    return FetchStart(run.run_id, handle, index, out, pool_id, stacked,
+                      block_rows, priority, chunk_bytes);
+  });
 }
 
-ffi::Error FetchDoneImpl(ffi::AnyBuffer in, ffi::AnyBuffer,
+ffi::Error FetchDoneImpl(ffi::RunId run, ffi::AnyBuffer in, ffi::AnyBuffer,
                          ffi::Result<ffi::AnyBuffer> out, int64_t timeout_ms) {
-  ffi::Error waited = Wait("jcxl_fetch_done", in.untyped_data(), timeout_ms);
-  if (waited.failure()) return waited;
-  if (out->untyped_data() != in.untyped_data()) {  // not aliased after all
-    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
-  }
-  return ffi::Error::Success();
+  return FailingStopsTheExecution(run, [&] {
+    ffi::Error waited = Wait("jcxl_fetch_done", in.untyped_data(), timeout_ms);
+    if (waited.failure()) return waited;
+    if (out->untyped_data() != in.untyped_data()) {  // not aliased after all
+      std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+    }
+    return ffi::Error::Success();
+  });
 }
 
-ffi::Error StoreStartImpl(ffi::Buffer<ffi::S32> handle,
-                          ffi::Buffer<ffi::S32> index, ffi::AnyBuffer in,
-                          ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
-                          int32_t pool_id, bool stacked, int64_t block_rows,
-                          int32_t priority, int64_t chunk_bytes,
-                          ffi::Span<const int32_t>, int64_t, int64_t) {
+ffi::Error StoreStart(int64_t run, ffi::Buffer<ffi::S32> handle,
+                      ffi::Buffer<ffi::S32> index, ffi::AnyBuffer in,
+                      ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
+                      bool stacked, int64_t block_rows, int32_t priority,
+                      int64_t chunk_bytes) {
   auto target = ResolveOnHost("jcxl_store_start", pool_id, handle, index,
                               stacked, block_rows, in);
   if (target.has_error()) return target.error();
@@ -216,17 +192,31 @@ ffi::Error StoreStartImpl(ffi::Buffer<ffi::S32> handle,
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Write(
       handle.typed_data()[0], out->untyped_data(), out->size_bytes(), target->offset,
       priority, static_cast<uint64_t>(chunk_bytes));
-  if (!ticket.ok()) return Fail("jcxl_store_start", ticket.status());
-  InFlight::Get().Add(out->untyped_data(), std::move(*ticket));
-  return ffi::Error::Success();
+  return File("jcxl_store_start", run, out->untyped_data(),
+              std::move(ticket));
 }
 
-ffi::Error StoreDoneImpl(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> token,
+ffi::Error StoreStartImpl(ffi::RunId run, ffi::Buffer<ffi::S32> handle,
+                          ffi::Buffer<ffi::S32> index, ffi::AnyBuffer in,
+                          ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                          int32_t pool_id, bool stacked, int64_t block_rows,
+                          int32_t priority, int64_t chunk_bytes,
+                          ffi::Span<const int32_t>, int64_t, int64_t) {
+  return FailingStopsTheExecution(run, [&] {
+    return StoreStart(run.run_id, handle, index, in, out, pool_id, stacked,
+                      block_rows, priority, chunk_bytes);
+  });
+}
+
+ffi::Error StoreDoneImpl(ffi::RunId run, ffi::AnyBuffer in,
+                         ffi::Result<ffi::AnyBuffer> token,
                          int64_t timeout_ms) {
-  ffi::Error waited = Wait("jcxl_store_done", in.untyped_data(), timeout_ms);
-  if (waited.failure()) return waited;
-  std::memset(token->untyped_data(), 0, token->size_bytes());
-  return ffi::Error::Success();
+  return FailingStopsTheExecution(run, [&] {
+    ffi::Error waited = Wait("jcxl_store_done", in.untyped_data(), timeout_ms);
+    if (waited.failure()) return waited;
+    std::memset(token->untyped_data(), 0, token->size_bytes());
+    return ffi::Error::Success();
+  });
 }
 
 // Returns `x` (in place) once `dep` exists; reads neither. It orders work
@@ -262,21 +252,21 @@ std::unordered_map<int32_t, WaitTotals> DrainWaitTotals() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
-                              FetchStartSignature(ffi::Ffi::Bind()));
+                              FetchStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStartInto, FetchStartIntoImpl,
-                              FetchStartIntoSignature(ffi::Ffi::Bind()));
+                              FetchStartIntoSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchDone, FetchDoneImpl,
-                              FetchDoneSignature(ffi::Ffi::Bind()));
+                              FetchDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAfter, AfterImpl,
                               AfterSignature(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreStart, StoreStartImpl,
-                              StoreStartSignature(ffi::Ffi::Bind()));
+                              StoreStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreDone, StoreDoneImpl,
-                              StoreDoneSignature(ffi::Ffi::Bind()));
+                              StoreDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 }  // namespace jcxl

@@ -12,8 +12,10 @@
 // `after` is ignored by the handler: it is a data dependency that keeps XLA
 // from issuing the transfer before the value it names exists, which bounds
 // how many streamed buffers are live at once. Handlers reach pools through
-// Pool::Find(pool_id); copies in flight are keyed by their buffer's address,
-// so a `done` that receives a copy of the buffer fails loudly.
+// Pool::Find(pool_id); copies in flight are filed by their buffer's address
+// and their execution's RunId (ExecutionTransfers), so a `done` that receives
+// a copy of the buffer fails loudly, and a handler that fails first stops
+// every copy its execution started (XLA frees the buffers on an error).
 #ifndef JCXL_FFI_STREAM_HANDLERS_H_
 #define JCXL_FFI_STREAM_HANDLERS_H_
 

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "execution_transfers.h"
 #include "pool.h"
 
 namespace jcxl {
@@ -48,9 +49,9 @@ class FiledRuns {
   std::unordered_map<uint64_t, std::shared_ptr<UpdateRun>> runs_;
 };
 
-ffi::Error UpdateStartImpl(ffi::Buffer<ffi::F32> scalars, ffi::AnyBuffer,
-                           ffi::Result<ffi::Buffer<ffi::S32>> token,
-                           int32_t pool_id, int32_t program) {
+ffi::Error UpdateStart(ffi::Buffer<ffi::F32> scalars,
+                       ffi::Result<ffi::Buffer<ffi::S32>> token,
+                       int32_t pool_id, int32_t program) {
   const char* handler = "jcxl_update_start";
   if (token->element_count() != 2) {
     return Fail(handler, "the token must be s32[2], got " +
@@ -65,9 +66,9 @@ ffi::Error UpdateStartImpl(ffi::Buffer<ffi::F32> scalars, ffi::AnyBuffer,
   return ffi::Error::Success();
 }
 
-ffi::Error UpdateDoneImpl(ffi::Buffer<ffi::S32> token, ffi::AnyBuffer,
-                          ffi::Result<ffi::Buffer<ffi::S32>> out,
-                          int64_t timeout_ms) {
+ffi::Error UpdateDone(ffi::Buffer<ffi::S32> token,
+                      ffi::Result<ffi::Buffer<ffi::S32>> out,
+                      int64_t timeout_ms) {
   const char* handler = "jcxl_update_done";
   if (token.element_count() != 2) {
     return Fail(handler, "the token must be s32[2] (jcxl_update_start's), "
@@ -79,6 +80,26 @@ ffi::Error UpdateDoneImpl(ffi::Buffer<ffi::S32> token, ffi::AnyBuffer,
   if (waited.failure()) return waited;
   std::memset(out->untyped_data(), 0, out->size_bytes());
   return ffi::Error::Success();
+}
+
+// A failed update fails the step: the copies it has in flight are stopped
+// first (see ExecutionTransfers).
+ffi::Error UpdateStartImpl(ffi::RunId run, ffi::Buffer<ffi::F32> scalars,
+                           ffi::AnyBuffer,
+                           ffi::Result<ffi::Buffer<ffi::S32>> token,
+                           int32_t pool_id, int32_t program) {
+  ffi::Error error = UpdateStart(scalars, token, pool_id, program);
+  if (error.failure()) ExecutionTransfers::Get().Abort(run.run_id);
+  return error;
+}
+
+ffi::Error UpdateDoneImpl(ffi::RunId run, ffi::Buffer<ffi::S32> token,
+                          ffi::AnyBuffer,
+                          ffi::Result<ffi::Buffer<ffi::S32>> out,
+                          int64_t timeout_ms) {
+  ffi::Error error = UpdateDone(token, out, timeout_ms);
+  if (error.failure()) ExecutionTransfers::Get().Abort(run.run_id);
+  return error;
 }
 
 }  // namespace
@@ -118,9 +139,9 @@ ffi::Error WaitUpdateRun(const char* handler, uint64_t id,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kUpdateStart, UpdateStartImpl,
-                              UpdateStartSignature(ffi::Ffi::Bind()));
+                              UpdateStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kUpdateDone, UpdateDoneImpl,
-                              UpdateDoneSignature(ffi::Ffi::Bind()));
+                              UpdateDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 }  // namespace jcxl
