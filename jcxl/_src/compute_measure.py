@@ -30,8 +30,7 @@ from jcxl._src import placement
 from jcxl._src import pool as pool_lib
 from jcxl._src.offload import step as offload_step
 
-# Room beyond the state's own bytes: the pool's slabs and alignment, and
-# the 16 MiB object that measures the host tier's link (Pool.link_estimate).
+# Room beyond the state's own bytes: the pool's slabs and alignment.
 _POOL_SLACK = 1.25
 _POOL_EXTRA = 32 << 20
 

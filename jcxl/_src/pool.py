@@ -497,6 +497,11 @@ def _timed(fn) -> float:
   return time.perf_counter() - start
 
 
+# How long a pool closed at exit (or collected) waits for steps still
+# running: at least this, or its timeout_s if longer.
+_EXIT_WAIT_S = 300.0
+
+
 def _close_at_exit(native: Any, swap: swap_dir_lib.SwapDir | None,
                    timeout_s: float, pid: int) -> None:
   """Closes a pool that was never closed (collected, or at exit).
@@ -508,6 +513,10 @@ def _close_at_exit(native: Any, swap: swap_dir_lib.SwapDir | None,
     return
   try:
     if not native.closed:
+      # A step dispatched last (no gather, no barrier) may still stream from
+      # the pool: it finishes first.
+      registry.wait_for_steps(max(timeout_s, _EXIT_WAIT_S),
+                              f"pool {native.id} was closed at exit")
       native.close(timeout_s)
   except errors.JcxlError as e:
     logger.warning("jcxl: closing a pool left open: %s", e)
@@ -1021,7 +1030,8 @@ class Pool:
     An emulated tier's link model as set now; for a real tier, its nodes'
     firmware (HMAT) figures where every node has them (see
     `TierStats.firmware_link`), else the read bandwidth of a 16 MiB object
-    measured once (best of three) and kept.
+    measured once (best of three, on memory of its own: it needs no room in
+    this pool) and kept.
     """
     tier = as_tier(tier)
     link = self._links.get(tier)
@@ -1031,14 +1041,23 @@ class Pool:
     if firmware is not None:
       return firmware
     if tier not in self._measured_links:
-      probe = np.ones(16 << 20, np.uint8)
-      handle = self.put(probe, tier)
-      try:
-        best = min(_timed(lambda: self.get(handle, probe)) for _ in range(3))
-      finally:
-        self.free(handle)
-      self._measured_links[tier] = LinkModel(probe.nbytes / best, 0.0)
+      self._measured_links[tier] = self._measure_link(tier)
     return self._measured_links[tier]
+
+  def _measure_link(self, tier: Tier) -> LinkModel:
+    """The read bandwidth of a 16 MiB object, best of three, measured on a
+    pool of its own on the same memory: the user's objects may fill this
+    pool's tier, and planning must not need room in it."""
+    probe = np.ones(16 << 20, np.uint8)
+    capacities = {t.value: 0 for t in Tier}
+    capacities[tier.value] = 2 * probe.nbytes
+    with Pool(**capacities, topology=self.topology, node=self.node,
+              nvme_dir=self._nvme_dir if tier is Tier.NVME else None,
+              copy_threads=self._settings["copy_threads"],
+              chunk_bytes=self._settings["chunk_bytes"]) as own:
+      handle = own.put(probe, tier)
+      best = min(_timed(lambda: own.get(handle, probe)) for _ in range(3))
+    return LinkModel(probe.nbytes / best, 0.0)
 
   def _inject_fault(self, kind: str | None, *, tier: str | Tier | None = None,
                     direction: str | None = None, skip: int = 0,

@@ -266,6 +266,7 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
                              f"{chosen_path[8:]}")
     else:
       update_paths[layer] = f"device: {why}"
+  state_writes = dict(stores)
   host_update.apply(program, stores, chosen)
   weight_copies.find(program, chosen, resident, returned_keys)
   for node in chosen:
@@ -276,7 +277,8 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
                       for k in node.grads}
       host_runs.virtual_copies(node)
   weight_copies.apply(program, chosen, resident, values, key_paths)
-  for key in slice_state_updates(program, resident, stores):
+  sliced = slice_state_updates(program, resident, stores)
+  for key in sliced:
     del stores[key]  # the sliced loop stores these, layer by layer
   fetches = FetchClusters(program, resident, key_paths, refetch)
   producer = {key: n for n, node in enumerate(program.nodes)
@@ -286,6 +288,8 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
   store_after = {key: max(producer.get(key, -1),
                           fetches.last_use.get(old_key[id(t)], -1))
                  for key, t in stores.items()}
+  _check_every_write(state_writes, stores, chosen, sliced, key_paths,
+                     old_key)
   for node in chosen:  # gradients go out as soon as they exist
     for key, staging in node.staging.items():
       stores[key] = staging
@@ -294,6 +298,34 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
                   store_after, returned,
                   fetches.timeline(stores, store_after, timed), chosen,
                   update_paths)
+
+
+def _check_every_write(state_writes: dict[Any, PoolArray],
+                       stores: dict[Any, PoolArray],
+                       chosen: list[HostUpdateNode], sliced: Any,
+                       key_paths: dict[Any, str], old_key: dict[int, Any]
+                       ) -> None:
+  """Every new state value the step makes is written back exactly once:
+  by a store of the step, a host update or a sliced loop; a gradient that
+  leaves for a host update is none of them (its store would take the
+  state's place).
+
+  Raises:
+    RuntimeError: a write would be lost (a bug of the rewrite: refused
+      rather than run with stale state).
+  """
+  host = {k: t for node in chosen for k, t in node.writes.items()}
+  for key, target in state_writes.items():
+    writers = [stores.get(key) is target, host.get(key) is target,
+               key in sliced]
+    gradient = any(key in node.grads for node in chosen)
+    if sum(writers) != 1 or gradient:
+      raise RuntimeError(
+          "cxl_offload would not write back the new value of "
+          f"{key_paths.get(old_key.get(id(target)), target.path)} "
+          f"(store {writers[0]}, host update {writers[1]}, sliced loop "
+          f"{writers[2]}, also a host update's gradient {gradient}); "
+          "run this step with update='device'")
 
 
 def _state_targets(bound: call_args.BoundCall, out_shape: Any, name: str

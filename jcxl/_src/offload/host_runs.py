@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 import weakref
 from typing import Any, Callable
@@ -15,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jcxl._src import placement
+from jcxl._src import pool as pool_lib
 from jcxl._src import registry
 from jcxl._src import update_program as up
 from jcxl._src.dap import compute_estimate
@@ -27,8 +29,12 @@ from jcxl._src.pool import Tier
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.units import format_bytes
 
-# Elements of each array the host update's rate is measured on.
+logger = logging.getLogger(__name__)
+
+# Elements of each array the host update's rate is measured on, and the
+# pool of its own it is measured in (four arrays, and room to spare).
 _CALIBRATION_ELEMENTS = 1 << 22
+_CALIBRATION_POOL_BYTES = 5 * 4 * _CALIBRATION_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +96,17 @@ class HostUpdates:
 
   def __init__(self):
     self._made: dict[Any, tuple[dict[int, PoolArray], int]] = {}
-    self._finalizer = weakref.finalize(self, _release, self._made)
+    # The results of the step's calls that may still run: they use the
+    # objects, which are freed only once those calls are over.
+    self._running: list[Any] = []
+    self._finalizer = weakref.finalize(self, _release, self._made,
+                                       self._running)
+
+  def dispatched(self, results: Any) -> None:
+    """Notes a call of the step, by its results: the objects outlive it."""
+    self._running[:] = [r for r in self._running
+                        if not registry.wait_for_results(r, 0)]
+    self._running.append(results)
 
   def bind(self, node: HostUpdateNode, program: Program) -> None:
     """Gives `node` its gradients' objects, its weight copies' objects and
@@ -192,7 +208,17 @@ def _virtual(target: PoolArray, shape: Any, dtype: Any, what: str
                    path=f"{target.path} ({what})", local_handles=((-1, -1),))
 
 
-def _release(made: dict) -> None:
+# How long freeing a dropped step's objects waits for its calls still
+# running (each of their transfers has its pool's timeout_s).
+_RELEASE_WAIT_S = 300.0
+
+
+def _release(made: dict, running: list[Any]) -> None:
+  if made and not registry.wait_for_results(running, _RELEASE_WAIT_S):
+    logger.warning("jcxl: a dropped step's call still ran after %.0f s; "
+                   "its host updates' objects are freed under it",
+                   _RELEASE_WAIT_S)
+  running.clear()
   for (pool_id, *_), (staging, copies, program_id) in made.items():
     pool = next((p for p in registry.open_pools() if p.id == pool_id), None)
     if pool is None:
@@ -205,14 +231,35 @@ def _release(made: dict) -> None:
 
 @functools.lru_cache(maxsize=None)
 def measured_rates(pool_id: int) -> Rates:
-  """The host update's rate on pool `pool_id` (an adam-like program on
-  scratch objects of its host or cxl tier), and the device's elementwise
-  rate; measured once per pool."""
+  """The host update's rate for pool `pool_id`, and the device's
+  elementwise rate; measured once per pool.
+
+  The host update's is an adam-like program's, run on a pool of its own
+  on the same memory (pool `pool_id`'s host tier's, else its cxl tier's)
+  with as many update threads: the user's objects may fill that pool, and
+  a step's planning must not need room in it.
+  """
   pool = registry.find_pool(pool_id, what="a host update")
-  n = _CALIBRATION_ELEMENTS
   tier = Tier.HOST if pool.stats()[Tier.HOST].enabled else Tier.CXL
-  handles = [pool.allocate((n,), np.float32, tier) for _ in range(4)]
+  capacities = {t.value: 0 for t in Tier}
+  capacities[tier.value] = _CALIBRATION_POOL_BYTES
+  with pool_lib.Pool(**capacities, topology=pool.topology, node=pool.node,
+                     update_threads=pool.update_stats().threads
+                     ) as scratch:
+    seconds = _update_seconds(scratch, tier)
+  _, elements_per_s = compute_estimate.device_rates()
+  return Rates(host_update=28 * _CALIBRATION_ELEMENTS / seconds,
+               device_update=8 * elements_per_s)
+
+
+def _update_seconds(pool: Any, tier: Tier) -> float:
+  """The median of three runs of an adam-like program on four arrays of
+  `_CALIBRATION_ELEMENTS` in `pool`'s `tier`."""
+  n = _CALIBRATION_ELEMENTS
+  handles = []
   try:
+    for _ in range(4):
+      handles.append(pool.allocate((n,), np.float32, tier))
     p, m, v, g = handles
     obj = lambda h: up.Input(kind=up.InputKind.OBJECT, handle=h)
     const = lambda c: up.Input(kind=up.InputKind.CONSTANT, constant=c)
@@ -240,9 +287,7 @@ def measured_rates(pool_id: int) -> Rates:
   finally:
     for h in handles:
       pool.free(h)
-  _, elements_per_s = compute_estimate.device_rates()
-  return Rates(host_update=28 * n / sorted(times)[1],
-               device_update=8 * elements_per_s)
+  return sorted(times)[1]
 
 
 def traffic_line(nodes: list[HostUpdateNode]) -> str:

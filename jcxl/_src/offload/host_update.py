@@ -152,6 +152,11 @@ def transformation_of(program: Program, node: Node) -> str:
       if outer not in ("chain", "named_chain", "inject_hyperparams",
                        "masked", "with_extra_args_support"):
         return f"optax.{outer}"
+  for code, _ in frames:  # a class's method (optax.MultiSteps.update)
+    qualname = getattr(code, "co_qualname", code.co_name)
+    if ("/optax/" in code.co_filename and "." in qualname and
+        not qualname.startswith("_")):
+      return f"optax.{qualname.split('.')[0]}"
   for code, _ in frames:
     if "/jax/" not in code.co_filename and "/jcxl/" not in code.co_filename:
       return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}"
@@ -195,8 +200,9 @@ def find(program: Program, resident: dict[Any, Any],
       region.add(n)
   candidates = set(region)
   # Less what escapes: a result read by other work, or returned.
-  blocked = trim(g, region,
-                 lambda n, key: key in outputs and key not in stores)
+  # (A new value written back and also returned: the host update would
+  # leave the step nothing to return.)
+  blocked = trim(g, region, lambda n, key: key in outputs)
 
   # Take in the elementwise work that only feeds it and reads at most one
   # array from the device (a squared or clipped gradient, a gradient cast
@@ -208,15 +214,15 @@ def find(program: Program, resident: dict[Any, Any],
 
   components = _components(program, g, region, pooled, stores, old_key)
   nodes: list[HostUpdateNode] = []
-  device_reasons: dict[str, str] = {}
+  device_reasons: dict[str, str] = {}  # per layer
+  refused: dict[Any, str] = {}  # per stored key of a refused component
   covered: set[Any] = set()  # stored keys a host update writes
   for members in components:
     node, why = _make_node(program, g, members, pooled, stores, old_key,
                            key_paths, outputs)
     if node is None:
       for key in _stored_by(program, members, stores):
-        device_reasons.setdefault(_layer(key_paths, stores[key], old_key),
-                                  why)
+        refused.setdefault(key, why)
       continue
     nodes.append(node)
     covered.update(node.writes)
@@ -229,9 +235,8 @@ def find(program: Program, resident: dict[Any, Any],
                                 "in the step")
     if key in covered or target.size <= 1:
       continue
-    why = device_reasons.get(layer) or _why_not(
-        program, g, key, candidates, blocked)
-    device_reasons.setdefault(layer, why)
+    why = refused.get(key) or _why_not(program, g, key, candidates, blocked)
+    device_reasons[layer] = why  # (over a scalar's: this one matters)
     if update == "host":
       raise ValueError(
           f"update='host' cannot run the update of "
@@ -314,8 +319,9 @@ def _components(program: Program, g: Uses, region: set[int],
       m = g.producer.get(k)
       if m in region:
         join(n, m)
-      if k in pooled or (m not in region and tuple(v.aval.shape)):
-        # The same state, or the same gradient: one update reads it.
+      if tuple(v.aval.shape) and (k in pooled or m not in region):
+        # The same state, or the same gradient: one update reads it. (A
+        # scalar, of the pool too, is an argument each update gets.)
         by_state.setdefault(k, n)
         join(n, by_state[k])
     for k in program.nodes[n].outs:
@@ -353,21 +359,34 @@ def _make_node(program: Program, g: Uses, members: set[int],
     if name == "select_n" and len(eqn.invars) != 3:
       return None, "its update selects among more than two values"
   produced = {k for n in members for k in program.nodes[n].outs}
+  path = lambda t: key_paths.get(old_key.get(id(t)), t.path)
   reads, grads, scalars = {}, [], []
   for n in sorted(members):
     for k, v in zip(g.ins(n), program.nodes[n].eqn.invars):
       if isinstance(k, Lit) or k in produced or k in program.consts:
         continue
-      if k in pooled:
+      if k in pooled and tuple(v.aval.shape):
         reads[k] = pooled[k]
-      elif not tuple(v.aval.shape):
+      elif not tuple(v.aval.shape):  # a pool scalar too: fetched, passed
         if k not in scalars:
           scalars.append(k)
       elif k not in grads:
         if k[0] == "in":
           return None, ("its update reads a step argument of the leaf's "
                         "shape that is not in the pool")
+        if k in stores:
+          # The device computes it and writes it back: the update would
+          # read a second copy of it, and its store would be lost.
+          return None, (
+              f"its update reads the new value of {path(stores[k])}, "
+              f"which the device computes (in {_where(program, g, k)})")
         grads.append(k)
+  written_elsewhere = {id(t) for k, t in stores.items() if k not in writes}
+  for k, t in reads.items():
+    if id(t) in written_elsewhere:
+      # The device's store of its new value could overtake the host's read.
+      return None, (f"its update reads {path(t)}, whose new value the "
+                    "device computes")
   for k in program.consts:
     if any(k in g.ins(n) for n in members) and np.ndim(program.consts[k]):
       return None, "its update reads an array constant"
@@ -388,6 +407,14 @@ def _make_node(program: Program, g: Uses, members: set[int],
       return None, f"its state is {t.dtype} (host updates run float32, bfloat16)"
   if len(pools) != 1:
     return None, "its state spans pools"
+  elements = targets[0].size
+  for k in grads:
+    if int(np.prod(k[1].aval.shape)) != elements:
+      return None, "its update reads a device array of another size"
+  for t in targets:
+    if t.size != elements:
+      return None, (f"its update reads {path(t)} ({t.size} elements) "
+                    f"with a leaf of {elements}")
   # What it overwrites: the old values of what it writes.
   overwritten = [old_key[id(t)] for t in writes.values() if id(t) in old_key]
   last = max(members)
@@ -411,6 +438,12 @@ def _make_node(program: Program, g: Uses, members: set[int],
   except _NotOnHost as e:
     return None, str(e)
   return node, ""
+
+
+def _where(program: Program, g: Uses, key: Any) -> str:
+  n = g.producer.get(key)
+  return ("the step" if n is None or program.nodes[n].eqn is None else
+          transformation_of(program, program.nodes[n]))
 
 
 def _insert(program: Program, nodes: list[HostUpdateNode]) -> None:
