@@ -13,6 +13,7 @@ from experiments.common import make_train_step as make_step
 import jax
 import jax.numpy as jnp
 import jcxl
+from jcxl._src.offload import host_runs
 from models import common
 from models import gpt2
 from models import llama
@@ -308,6 +309,121 @@ class ChoicesTest:
   def test_an_unknown_update_is_refused(self):
     with pytest.raises(ValueError, match="update must be one of"):
       jcxl.cxl_offload(lambda x: x, update="cpu")
+
+
+def _host_preferred(monkeypatch):
+  """'auto' then runs every update on the host that the host can run."""
+  monkeypatch.setattr(host_runs, "measured_rates", lambda pool_id: (
+      host_runs.Rates(host_update=1e15, device_update=1.0)))
+
+
+class NothingSilentlyWrongTest:
+  """'host' and 'auto' either give the device update's state or refuse by
+  name; planning needs no room in the user's tiers."""
+
+  def test_auto_writes_back_a_moment_the_device_computes(self, pool,
+                                                         monkeypatch):
+    # novograd's moment comes from a lax.cond on the device, and its
+    # weight's update reads the new moment: that update must not take
+    # the moment's store (which left the moment at its initial zeros).
+    _host_preferred(monkeypatch)
+    params, loss_fn = mlp(scan=False)
+    data = batches(3)
+    _, dev_losses, dev_p, dev_s = run(pool, params, loss_fn,
+                                      optax.novograd(1e-2), data, "device")
+    _, losses, p, s = run(pool, params, loss_fn, optax.novograd(1e-2), data,
+                          "auto")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(p, dev_p)
+    assert_close(s, dev_s)
+    assert np.abs(s[0].mu["layer0"]["w"]).max() > 0
+    with pytest.raises(ValueError, match=r"update of \[.*reads the "
+                       r"new value of \[0\].mu.*optax.scale_by_novograd"):
+      run(pool, params, loss_fn, optax.novograd(1e-2), data, "host")
+
+  @pytest.mark.parametrize("update", ["host", "auto"])
+  def test_hyperparameters_in_the_state(self, pool, monkeypatch, update):
+    # inject_hyperparams keeps the learning rate as a scalar in the state,
+    # so in the pool: each host update gets it as a scalar argument.
+    _host_preferred(monkeypatch)
+    params, loss_fn = mlp(scan=False)
+    tx = lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+    data = batches(3)
+    _, dev_losses, dev_p, dev_s = run(pool, params, loss_fn, tx(), data,
+                                      "device")
+    step, losses, p, s = run(pool, params, loss_fn, tx(), data, update)
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(p, dev_p)
+    assert_close(s, dev_s)
+    assert "host" in {l.update for l in step.plan.layers}
+
+  def test_a_returned_new_weight_keeps_its_update_on_the_device(
+      self, pool, monkeypatch):
+    _host_preferred(monkeypatch)
+    params, loss_fn = mlp(scan=False)
+    tx = optax.adam(1e-2)
+
+    def step_fn(p, s, x):  # also returns a new weight, for logging
+      p, s, loss = make_step(loss_fn, tx)(p, s, x)
+      return p, s, (loss, p["layer1"]["w"])
+
+    def train(update):
+      step = jcxl.cxl_offload(step_fn, update=update)
+      p = jcxl.place(params, "cxl", pool=pool)
+      s = jcxl.place(tx.init(params), "cxl", pool=pool)
+      for x in batches(3):
+        p, s, (loss, w) = step(p, s, x)
+      return step, float(loss), np.asarray(w), jcxl.gather(p)
+
+    _, dev_loss, dev_w, dev_p = train("device")
+    step, loss, w, p = train("auto")
+    np.testing.assert_allclose(loss, dev_loss, rtol=1e-6)
+    np.testing.assert_array_equal(w, p["layer1"]["w"])
+    assert_close(p, dev_p)
+    paths = {l.name: l.update for l in step.plan.layers}
+    assert paths["['layer1']"] in ("device", "mixed")
+    assert paths["['layer0']"] == "host"
+    with pytest.raises(ValueError, match=r"update of \['layer1'\]\['w'\] "
+                       "on the host: a value its update computes is also "
+                       "returned by the step"):
+      train("host")
+
+  def test_auto_measures_without_room_in_the_pool(self):
+    # The host tier has less than the 64 MiB the host update's rate is
+    # measured on: nothing of it is needed, nothing is left in it.
+    params, loss_fn = mlp(scan=False)
+    with jcxl.Pool(host="64MiB", cxl="64MiB") as pool:
+      filler = pool.allocate((40 << 20,), np.uint8, "host")
+      host_objects = lambda: {h for h in pool.handles()
+                              if pool.info(h).tier.value == "host"}
+      before = host_objects()
+      _, losses, p, _ = run(pool, params, loss_fn, optax.adam(1e-2),
+                            batches(2), "auto")
+      assert host_objects() == before
+      pool.free(filler)
+      _, dev_losses, dev_p, _ = run(pool, params, loss_fn,
+                                    optax.adam(1e-2), batches(2), "device")
+    np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
+    assert_close(p, dev_p)
+
+  @pytest.mark.parametrize("update", ["device", "auto"])
+  def test_a_full_fast_tier_is_planned(self, update):
+    # The state fills the host tier (as tiers_by_reads places it): the
+    # tier's link is measured without storing a probe in it.
+    params, loss_fn = mlp(scan=False)
+    data = batches(2)
+    with jcxl.Pool(host="16MiB", cxl="64MiB") as pool:
+      ref = jax.jit(make_step(loss_fn, optax.adam(1e-2)))
+      ref_p, ref_s = params, optax.adam(1e-2).init(params)
+      for x in data:
+        ref_p, ref_s, ref_loss = ref(ref_p, ref_s, x)
+      filler = pool.allocate((pool.stats()["host"].free - (1 << 20),),
+                             np.uint8, "host")
+      _, losses, p, _ = run(pool, params, loss_fn, optax.adam(1e-2), data,
+                            update, tier="host")
+      pool.free(filler)
+    np.testing.assert_allclose(losses[-1], ref_loss, rtol=1e-6)
+    assert_close(p, ref_p)
 
 
 class WithOtherPartsTest:
