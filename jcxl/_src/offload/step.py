@@ -293,6 +293,10 @@ class OffloadedStep:
       started = _jcxl.now_ns()
     self._last_results = entry.executable(*(flat_args[i]
                                             for i in entry.passed))
+    # Pool objects the call uses outlive it: what exit closes, and what
+    # dropping the step frees, waits for it.
+    registry.step_dispatched(self._last_results)
+    self._host_updates.dispatched(self._last_results)
     if measure:
       jax.block_until_ready(self._last_results)
       registry.flush_device_transfers()  # the step's own GPU waits
