@@ -186,6 +186,77 @@ class TwoProcessesTest:
       assert got["objects"] == got["handles"] == 8
 
 
+def run_workers(tmp_path, *options, timeout_s=300):
+  """multiprocess_worker's train on 2 processes, process i with
+  `options[i]` (one dict: both); their results and outputs."""
+  address = f"127.0.0.1:{free_port()}"
+  worker = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+  options = options * 2 if len(options) == 1 else options
+  procs = [subprocess.Popen(
+      [sys.executable, worker, address, str(i), str(tmp_path / f"{i}.json"),
+       json.dumps(options[i])],
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the processes still ran after {timeout_s} s (a hang)")
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  results = [load(tmp_path / f"{i}.json")
+             if os.path.exists(tmp_path / f"{i}.json") else None
+             for i in range(2)]
+  return [p.returncode for p in procs], results, outs
+
+
+def jit_losses(steps: int) -> list[float]:
+  """The workers' MLP trained by plain jax.jit, in this process on one
+  device."""
+  import optax  # pylint: disable=g-import-not-at-top
+  w = multiprocess_worker
+  tx = optax.adam(1e-2)
+  params = w.mlp_init()
+  state = (params, tx.init(params))
+  step = jax.jit(w.mlp_step(tx))
+  losses = []
+  for i in range(steps):
+    *state, loss = step(*state, w.mlp_batch(i))
+    losses.append(float(loss))
+  return losses
+
+
+class AgreementTest:
+  """Every process runs the same executable at every step: DAP's plans
+  are agreed, and settings that would compile the step differently are
+  refused at the first step, in every process."""
+
+  def test_dap_switches_plans_at_the_same_steps_in_both(self, tmp_path):
+    steps = 300
+    # 50 s here; each process ran different executables from step 3
+    # or so, each waiting in its own collective, when every process tuned
+    # on its own.
+    codes, results, outs = run_workers(
+        tmp_path, dict(schedule="dap", steps=steps, tune_hard=True),
+        timeout_s=240)
+    assert codes == [0, 0], outs
+    a, b = results
+    assert "error" not in a, a["error"]
+    # The same decisions at the same steps, and the same plan each step.
+    assert a["history"] == b["history"]
+    assert a["plans"] == b["plans"]
+    what = [w for _, w in a["history"]]
+    assert "race" in what and "raced" in what, what
+    # A link drift confirmed: re-planned on what was measured.
+    drifts = [i for i, w in enumerate(what) if w == "drift"]
+    assert drifts and what[drifts[0] + 1] in ("replan", "holds"), what
+    assert len({json.dumps(p) for p in a["plans"]}) >= 3  # plans moved
+    np.testing.assert_array_equal(a["losses"], b["losses"])
+    np.testing.assert_allclose(a["losses"], jit_losses(steps), rtol=RTOL)
+
+
 class FailureTest:
 
   @pytest.mark.parametrize("victim", [0, 1])

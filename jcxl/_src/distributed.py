@@ -8,11 +8,18 @@ store of JAX's coordination service:
   sharding spans processes, every process publishes its pool's settings and
   compares them with the others'; a difference fails all of them at once,
   naming it, instead of surfacing later as a hang or a mismatched step.
+* ``Agreement``: an offloaded step whose arrays span processes compares
+  its settings at its first call (``check_steps_agree``), and every choice
+  that changes its compiled program (DAP's plans, the plans it compiles
+  ahead) is made from values every process exchanged, so that every
+  process runs the same executable at every step.
 * ``fail_together``: a process whose program raises tells the others, and
   each process stops when a peer says it failed. Without it a failed
   process waits at JAX's shutdown barrier while its peers wait for it in a
-  collective, both until a timeout of minutes. (A process that dies outright
-  is caught by JAX's heartbeat, after ``heartbeat_timeout_seconds``.)
+  collective, both until a timeout of minutes. The first pool check or
+  step agreement ties the processes so by default (``tie_processes``); the
+  context manager makes it explicit. (A process that dies outright is
+  caught by JAX's heartbeat, after ``heartbeat_timeout_seconds``.)
 """
 
 from __future__ import annotations
@@ -38,7 +45,14 @@ if TYPE_CHECKING:
 # How long a process waits for its peers' pool settings: they reach their
 # first placement at about the same time, give or take their start-up.
 PEER_TIMEOUT_S = 120.0
+# How long a step's exchange waits for its peers: they run in lockstep (a
+# step's collectives), but a first compile of a large step can take
+# minutes longer on one host than another.
+STEP_TIMEOUT_S = 600.0
 _CHECKS = itertools.count()  # the nth pool checked, the same in every process
+_AGREEMENTS = itertools.count()  # the nth step agreeing, likewise
+# Most differences a mismatch error lists (one per leaf can be thousands).
+_MAX_LISTED = 12
 _FAILED_PREFIX = "jcxl/failed/"
 _STOPPED_PREFIX = "jcxl/stopped/"
 # Process 0 hosts JAX's coordination service: when it exits, every peer is
@@ -81,6 +95,8 @@ def check_pools_agree(pool: Pool, *, timeout_s: float = PEER_TIMEOUT_S
           f"process {me}); give every process the same pool settings:\n  "
           + "\n  ".join(differences))
   pool._peers_agree = True  # pylint: disable=protected-access
+  if client is not None:
+    tie_processes()
 
 
 def _peer_value(client: Any, key: str, process: int, timeout_s: float
@@ -108,13 +124,124 @@ def _differences(settings: dict[int, dict[str, Any]]) -> list[str]:
   return out
 
 
+class Agreement:
+  """The exchanges of one offloaded step among the processes of a run.
+
+  The nth exchange of each process meets the nth of every other (keyed by
+  that number): each publishes a JSON value, and every process gets all
+  of them, in process order, so that each takes the same decision from
+  the same values. A collective: every process must make the same
+  exchanges in the same order, as it runs the same steps.
+  """
+
+  def __init__(self, what: str, timeout_s: float = STEP_TIMEOUT_S):
+    import jax  # pylint: disable=g-import-not-at-top
+    self.what = what
+    self.timeout_s = timeout_s
+    self.process = jax.process_index()
+    self.count = jax.process_count()
+    self._client = _client()
+    self._id: int | None = None  # taken at the first exchange
+    self.exchanges = 0
+
+  def exchange(self, value: Any, *, about: str = "",
+               timeout_s: float | None = None) -> list[Any]:
+    """Every process's `value` (JSON), in process order; this one's too,
+    as its peers read it.
+
+    Raises:
+      StepMismatchError: a peer did not publish within the timeout (it
+        failed, runs another step, or makes other exchanges).
+    """
+    if self._id is None:
+      self._id = next(_AGREEMENTS)
+      tie_processes()
+    client, me = self._client, self.process
+    key = f"jcxl/steps/{self._id}/{self.exchanges}"
+    text = json.dumps(value)
+    client.key_value_set(f"{key}/{me}", text)
+    timeout_s = self.timeout_s if timeout_s is None else timeout_s
+    values = []
+    for p in range(self.count):
+      if p == me:
+        values.append(json.loads(text))
+        continue
+      try:
+        values.append(json.loads(client.blocking_key_value_get(
+            f"{key}/{p}", validation.timeout_ms(timeout_s))))
+      except Exception as e:  # a deadline, or the service gone
+        raise errors.StepMismatchError(
+            f"process {p} did not reach exchange {self.exchanges} of "
+            f"{self.what} ({about or 'its next step'}) within "
+            f"{timeout_s:.0f} s: it failed, runs other steps than process "
+            f"{me}, or runs this one with other settings ({e})") from None
+    # Every peer that published this exchange has read the one before
+    # last: its key can go (a long run would pile them up otherwise).
+    if self.exchanges >= 2:
+      with contextlib.suppress(Exception):
+        client.key_value_delete(f"jcxl/steps/{self._id}/"
+                                f"{self.exchanges - 2}/{me}")
+    self.exchanges += 1
+    return values
+
+
+def check_steps_agree(agreement: Agreement, settings: dict[str, Any],
+                      timeout_s: float = PEER_TIMEOUT_S) -> None:
+  """Raises StepMismatchError, in every process, if the processes' steps
+  differ in one of `settings` (name -> JSON value): a step compiled
+  differently in two processes would wait in different collectives."""
+  values = agreement.exchange(settings, about="its settings",
+                              timeout_s=timeout_s)
+  differences = _differences(dict(enumerate(values)))
+  if differences:
+    listed = differences[:_MAX_LISTED]
+    if len(differences) > len(listed):
+      listed.append(f"... and {len(differences) - len(listed)} more")
+    raise errors.StepMismatchError(
+        f"{agreement.what} differs between the {agreement.count} processes "
+        f"(process {agreement.process} here); give every process the same "
+        "step settings and placements:\n  " + "\n  ".join(listed))
+
+
+_tied = threading.Lock()
+_watching = False
+
+
+def tie_processes(poll_s: float = 1.0) -> None:
+  """Makes a multi-process run fail together without ``fail_together``: a
+  process whose program ends in an uncaught exception tells its peers and
+  exits, and a peer's failure stops this process (see fail_together).
+  Once per process; nothing in a single-process run."""
+  global _watching  # pylint: disable=global-statement
+  client = _client()
+  if client is None:
+    return
+  with _tied:
+    if _watching:
+      return
+    _watching = True
+  import jax  # pylint: disable=g-import-not-at-top
+  me, count = jax.process_index(), jax.process_count()
+  threading.Thread(target=_watch_peers,
+                   args=(client, me, count, threading.Event(), poll_s),
+                   name="jcxl-peer-watch", daemon=True).start()
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    previous(kind, value, tb)
+    _tell_peers_and_exit(client, me, count, f"{kind.__name__}: {value}")
+  sys.excepthook = hook
+
+
 @contextlib.contextmanager
 def fail_together(poll_s: float = 1.0) -> Iterator[None]:
   """Ties the processes of a multi-process run: if the body raises, this
   process prints the error, tells its peers and exits at once (status 1);
   if a peer says it failed, this process prints which and why, and exits
   within about `poll_s`, even while waiting in a collective. Open pools are
-  closed first. Outside a multi-process run it does nothing.
+  closed first. Outside a multi-process run it does nothing. (jcxl ties
+  the processes so anyway once they share a pool check or a step, see
+  tie_processes; this makes it explicit, and covers what runs before.)
 
   Example:
     >>> jax.distributed.initialize(...)
@@ -127,11 +254,7 @@ def fail_together(poll_s: float = 1.0) -> Iterator[None]:
     return
   import jax  # pylint: disable=g-import-not-at-top
   me, count = jax.process_index(), jax.process_count()
-  stop = threading.Event()
-  watcher = threading.Thread(target=_watch_peers,
-                             args=(client, me, count, stop, poll_s),
-                             name="jcxl-peer-watch", daemon=True)
-  watcher.start()
+  tie_processes(poll_s)  # the peers' watch (for the process's lifetime)
   try:
     yield
   except SystemExit as e:
@@ -141,8 +264,6 @@ def fail_together(poll_s: float = 1.0) -> Iterator[None]:
   except BaseException as e:  # pylint: disable=broad-except
     traceback.print_exc()
     _tell_peers_and_exit(client, me, count, f"{type(e).__name__}: {e}")
-  finally:
-    stop.set()
 
 
 def _tell_peers_and_exit(client: Any, me: int, count: int, why: str) -> None:

@@ -48,6 +48,14 @@ class PoolMismatchError(JcxlError, ValueError):
   the check in time."""
 
 
+class StepMismatchError(JcxlError, ValueError):
+  """In a multi-process run, the processes' offloaded steps differ in a
+  setting that changes the compiled step (schedule, device budget, update,
+  refetch, the tier of a leaf; the message names each and each process's
+  value), or a process did not reach one of the step's agreements in time.
+  """
+
+
 class CheckpointCorruptError(JcxlError, OSError):
   """A checkpoint's bytes are not what its save wrote.
 

@@ -3,8 +3,9 @@
 A plan to race or a re-plan is compiled on a thread of its own while the
 step keeps running the plan that ran last (XLA's compile releases the
 GIL; a model's step compiled for about 8 s, 190 steps of its 42 ms). The
-tuner learns each compiled plan's device need and compile time from
-`harvest`, on the caller's thread: it never sees the compiling thread.
+scheduler hands each compiled plan's device need and compile time (or its
+failure) to the tuner from `harvest`, on the caller's thread: the tuner
+never sees the compiling thread.
 """
 
 from __future__ import annotations
@@ -66,24 +67,21 @@ class CompileAhead:
     return time.perf_counter() - min(started) if started else 0.0
 
   def harvest(self) -> list[tuple[Any, LayerSchedule, Any]]:
-    """The plans compiled since the last call, told to the tuner: per plan
-    within the budget, (signature, plan, what a call runs). A plan whose
-    compile failed is dropped with a warning (the step keeps the plans it
-    has; the tuner drops it from what it waits for)."""
+    """The plans whose compile ended since the last call, in the order
+    they were submitted: (signature, plan, (what a call runs, device need
+    in bytes, compile seconds)), or for a compile that failed (signature,
+    plan, its exception), logged as a warning."""
     done = []
     for schedule, (signature, future, started) in list(self._jobs.items()):
       if not future.done():
         continue
       del self._jobs[schedule]
       try:
-        entry, need, seconds = future.result()
+        done.append((signature, schedule, future.result()))
       except Exception as e:  # pylint: disable=broad-except
         logger.warning("dap: compiling a plan to try failed; it is not "
                        "tried: %r", e)
-        self._tuner.give_up([schedule], f"its compile failed: {e!r}")
-        continue
-      if self._tuner.compiled(schedule, need, seconds):
-        done.append((signature, schedule, entry))
+        done.append((signature, schedule, e))
     return done
 
   def _timed(self, job: list[Any], args: Any, schedule: LayerSchedule

@@ -1,6 +1,13 @@
 """The Scheduler of ``schedule='dap'`` (see offload.scheduler): a `Tuner`
 chooses the plans and learns from measured steps, and the plans it runs
-next compile on a thread of their own (`CompileAhead`)."""
+next compile on a thread of their own (`CompileAhead`).
+
+In a multi-process run whose step spans processes, each process's tuner
+decides only from values every process agreed (see dap.agreement): a
+plan compiled ahead is used once every process has compiled it, and each
+step's measurement, compile and wait is exchanged at the step's end.
+Every process then switches plans at the same step.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jcxl._src import schedule as schedule_lib
+from jcxl._src.dap import agreement as agreement_lib
 from jcxl._src.dap.compile_ahead import CompileAhead
 from jcxl._src.dap.profile import StepProfile
 from jcxl._src.dap.tuner import Tuner
@@ -16,19 +24,40 @@ from jcxl._src.offload.compiled import device_need
 
 
 class DapScheduler:
-  """A step's plans chosen, measured and re-chosen online."""
+  """A step's plans chosen, measured and re-chosen online.
+
+  Attributes:
+    agreement: the step's exchanges with its peer processes
+      (``distributed.Agreement``), or None where the step runs in one
+      process only.
+  """
 
   def __init__(self, schedule: schedule_lib.DapSchedule, budget: int | None,
                compile_plan: Callable[[Any, schedule_lib.LayerSchedule],
                                       tuple[Any, int]]):
     self.tuner = Tuner(schedule.start, budget)
     self.ahead = CompileAhead(self.tuner, compile_plan)
+    self.agreement = None
+    # Under an agreement: plans compiled here, not yet by every process
+    # (plan -> (signature, (entry, need, seconds) or the exception)); and
+    # those every process has, for the next harvest.
+    self._held: dict[schedule_lib.LayerSchedule, tuple[Any, Any]] = {}
+    self._agreed: list[tuple[Any, schedule_lib.LayerSchedule, Any]] = []
+    self._peers: list[Any] | None = None  # the last step's exchange
+    self._steps = 0  # steps agreed: names the exchange in its errors
 
   @property
   def version(self) -> int:
     return self.tuner.version
 
   def resolve(self, segments, links) -> schedule_lib.LayerSchedule:
+    if self.agreement is not None and not self.tuner.model.segments:
+      # The first estimates are measured in each process: agreed first.
+      values = self.agreement.exchange(
+          agreement_lib.encode_estimates(segments, links),
+          about="the cost model's first estimates")
+      segments, links = agreement_lib.agreed_estimates(segments, links,
+                                                       values)
     return self.tuner.resolve(segments, links)
 
   def report(self, plan: schedule_lib.Plan) -> schedule_lib.Plan:
@@ -49,24 +78,97 @@ class DapScheduler:
     # compiles; a plan over the budget is re-planned within it, with less
     # prefetch each time (so this ends), or leaves a race for a plan
     # compiled already.
+    need = device_need(executable.memory_analysis())
+    if self.agreement is not None:
+      values = self.agreement.exchange([need, seconds],
+                                       about="a compile on the step's path")
+      need, seconds = max(v[0] for v in values), max(v[1] for v in values)
     self.tuner.add_compile(seconds)
-    return self.tuner.calibrate(device_need(executable.memory_analysis()))
+    return self.tuner.calibrate(need)
 
   def harvest(self) -> list[tuple[Any, int, Any]]:
+    done = []
+    for signature, schedule, result in self.ahead.harvest():
+      if self.agreement is not None:
+        self._held[schedule] = (signature, result)
+      elif isinstance(result, Exception):
+        self.tuner.give_up([schedule], f"its compile failed: {result!r}")
+      else:
+        entry, need, seconds = result
+        if self.tuner.compiled(schedule, need, seconds):
+          done.append((signature, schedule, entry))
+    done += self._agreed
+    self._agreed = []
     return [(signature, self.tuner.version_of(schedule), entry)
-            for signature, schedule, entry in self.ahead.harvest()]
+            for signature, schedule, entry in done]
 
   def compiling(self, signature: Any, args: Any,
                 is_compiled: Callable[[int], bool]) -> list[Any]:
-    return self.ahead.missing(
-        signature, args, lambda s: is_compiled(self.tuner.version_of(s)))
+    version_of = self.tuner.version_of
+    if self.agreement is None:
+      return self.ahead.missing(signature, args,
+                                lambda s: is_compiled(version_of(s)))
+    # Compiled here but not yet everywhere: not compiled again, not run.
+    self.ahead.missing(signature, args, lambda s: is_compiled(version_of(
+        s)) or (s in self._held and self._held[s][0] == signature))
+    return [s for s in self.tuner.upcoming() if not is_compiled(version_of(s))]
 
   def wants_measurement(self, after_other: bool) -> bool:
     return self.tuner.wants_measurement(after_other)
 
   def step_done(self, profile: StepProfile | None,
                 waited_for: Sequence[Any]) -> None:
+    compiling_s = self.ahead.compiling_s() if waited_for else 0.0
+    if self.agreement is not None:
+      profile, compiling_s = self._agree_step(profile, compiling_s)
     if waited_for:
-      self.tuner.waited(waited_for, self.ahead.compiling_s())
+      self.tuner.waited(waited_for, compiling_s)
     else:
       self.tuner.step_done(profile)
+    if self.agreement is not None:
+      self._take_agreed_compiles()
+
+  def _agree_step(self, profile: StepProfile | None, compiling_s: float
+                  ) -> tuple[StepProfile | None, float]:
+    """Exchanges this step's measurement and the plans compiled here;
+    returns the agreed measurement and compile time in progress."""
+    ready, failed = {}, {}
+    for schedule, (_, result) in self._held.items():
+      if isinstance(result, Exception):
+        failed[agreement_lib.plan_key(schedule)] = repr(result)
+      else:
+        ready[agreement_lib.plan_key(schedule)] = list(result[1:])
+    values = self.agreement.exchange(
+        {"profile": agreement_lib.encode_profile(profile),
+         "compiling_s": compiling_s, "ready": ready, "failed": failed},
+        about=f"the end of its step {self._steps}")
+    self._steps += 1
+    self._peers = values
+    return (agreement_lib.agreed_profile([v["profile"] for v in values]),
+            max(v["compiling_s"] for v in values))
+
+  def _take_agreed_compiles(self) -> None:
+    """Tells the tuner of the plans every process has compiled (or one
+    failed to), in the order of their keys: each process's tuner takes the
+    same compiles at the same step."""
+    values, self._peers = self._peers, None
+    held = {agreement_lib.plan_key(s): s for s in self._held}
+    upcoming = {agreement_lib.plan_key(s): s for s in self.tuner.upcoming()}
+    failed = {}
+    for v in values:
+      for key, why in v["failed"].items():
+        failed.setdefault(key, why)
+    for key in sorted(failed):
+      if key in held:
+        del self._held[held[key]]
+      if key in upcoming:  # the same in every process
+        self.tuner.give_up([upcoming[key]],
+                           f"its compile failed: {failed[key]}")
+    everywhere = set.intersection(*(set(v["ready"]) for v in values))
+    for key in sorted(everywhere - set(failed)):
+      schedule = held[key]  # ready here too
+      signature, (entry, _, _) = self._held.pop(schedule)
+      need = max(v["ready"][key][0] for v in values)
+      seconds = max(v["ready"][key][1] for v in values)
+      if self.tuner.compiled(schedule, need, seconds):
+        self._agreed.append((signature, schedule, entry))

@@ -27,9 +27,13 @@ class Scheduler(Protocol):
   Attributes:
     tuner: the DAP tuner (``step.tuner``); None for a fixed schedule.
     version: the current plan's part of the compile-cache key.
+    agreement: set by the step where its arrays span processes
+      (``distributed.Agreement``): every choice that changes the compiled
+      step is then made from values all processes exchanged.
   """
   tuner: Tuner | None
   version: int
+  agreement: Any
 
   def resolve(self, segments: Sequence[costmodel.Segment],
               links: Mapping[str, costmodel.Link]
@@ -68,6 +72,7 @@ class StaticScheduler:
   """The Scheduler of a schedule chosen before the step runs."""
   tuner = None
   version = 0  # one plan per call signature
+  agreement = None  # one plan: nothing to agree but the settings
 
   def __init__(self, schedule: schedule_lib.Schedule):
     self._schedule = schedule

@@ -21,9 +21,12 @@ import numpy as np
 
 from jcxl import _jcxl
 from jcxl._src import call_args
+from jcxl._src import dispatched
+from jcxl._src import distributed
 from jcxl._src import registry
 from jcxl._src import schedule as schedule_lib
 from jcxl._src import shardings as shardings_lib
+from jcxl._src.dap import agreement as agreement_lib
 from jcxl._src.dap import costmodel
 from jcxl._src.dap import profile as profile_lib
 from jcxl._src.offload import analysis
@@ -86,6 +89,9 @@ class OffloadedStep:
     # compile is done (see _compile_plan).
     self._ahead_plans: dict[schedule_lib.LayerSchedule, Any] = {}
     self._last_results: Any = None
+    # Whether the first call compared the step's settings with its peer
+    # processes' (where its arrays span processes; see _agree).
+    self._peers_checked = False
     functools.update_wrapper(self, fn)
 
   @property
@@ -229,8 +235,46 @@ class OffloadedStep:
     Raises:
       MemoryError: it needs more than `device_budget` (after a DAP plan has
         been re-planned within it).
+      StepMismatchError: in a multi-process run, the processes' steps
+        differ in a setting (see _agree).
     """
-    return self._entry(self._bind(args, kwargs)).executable
+    bound = self._bind(args, kwargs)
+    self._agree(bound)
+    return self._entry(bound).executable
+
+  def _agree(self, bound: call_args.BoundCall) -> None:
+    """Once, where the step's arrays span processes: compares its settings
+    with its peers' (two processes running differently compiled steps
+    would each wait forever in a collective the other never runs), and has
+    its scheduler decide with them from then on."""
+    if self._peers_checked:
+      return
+    self._peers_checked = True
+    leaves = jax.tree_util.tree_leaves(bound.args, is_leaf=is_pool_array)
+    devices = {d for x in leaves if isinstance(x, (PoolArray, jax.Array))
+               for d in x.sharding.device_set}
+    if not distributed.spans_processes(devices):
+      return
+    agreement = distributed.Agreement(f"the offloaded step {self._name}")
+    distributed.check_steps_agree(agreement, self._settings(bound))
+    self._scheduler.agreement = agreement
+
+  def _settings(self, bound: call_args.BoundCall) -> dict[str, Any]:
+    """What must be the same in every process for the step to compile the
+    same: its options, and the tier each pool-resident leaf is in."""
+    schedule = self._schedule
+    plan = (schedule if isinstance(schedule, schedule_lib.LayerSchedule)
+            else getattr(schedule, "start", None))
+    settings = {
+        "schedule": str(schedule) + (
+            f" (plan {agreement_lib.plan_key(plan)})" if plan else ""),
+        "device_budget": self._budget, "update": self._update,
+        "refetch": self._refetch}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        bound.args, is_leaf=is_pool_array)[0]:
+      if isinstance(leaf, PoolArray):
+        settings[f"tier of {jax.tree_util.keystr(path)}"] = leaf.tier.value
+    return settings
 
   def _entry(self, bound: call_args.BoundCall,
              signature: Any = None) -> CompiledStep:
@@ -274,6 +318,7 @@ class OffloadedStep:
     return self._entry(bound, signature), []  # the first call compiles here
 
   def _call(self, bound: call_args.BoundCall, measure: bool) -> Any:
+    self._agree(bound)
     args = bound.args
     signature = compiled_lib.signature(bound)
     entry, compiling = self._select(bound, signature)
@@ -291,8 +336,12 @@ class OffloadedStep:
       # 77 ms here).
       _jcxl.clear_stream_waits()
       started = _jcxl.now_ns()
+    handles = frozenset(h for x in flat_args if is_pool_array(x)
+                        for _, h in x.local_handles)
+    dispatched.wait_for_others(handles)  # a step of another thread first
     self._last_results = entry.executable(*(flat_args[i]
                                             for i in entry.passed))
+    dispatched.note(self._last_results, handles)
     # Pool objects the call uses outlive it: what exit closes, and what
     # dropping the step frees, waits for it.
     registry.step_dispatched(self._last_results)
