@@ -10,9 +10,12 @@ directory nor hangs on exit. Each process under test is a fresh interpreter.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -254,6 +257,7 @@ class ConcurrentRemoveTest:
     # the process opened meanwhile under the same number.
     swap = swap_dir.make(tmp_path, keep=False)
     fd = swap.lock_fd
+    lock = os.fstat(fd).st_ino
     closed = []
     real_os = swap_dir.os
 
@@ -263,7 +267,8 @@ class ConcurrentRemoveTest:
 
       @staticmethod
       def close(n):
-        closed.append(n)
+        if real_os.fstat(n).st_ino == lock:  # (removal closes others too)
+          closed.append(n)
         time.sleep(0.05)
         real_os.close(n)
 
@@ -276,3 +281,163 @@ class ConcurrentRemoveTest:
     assert closed == [fd]
     assert swap.lock_fd is None
     assert os.listdir(tmp_path) == []
+
+
+class _CountingProxy:
+  """A module whose function call number `at` (counted across the module
+  and its `path`) first runs `act`."""
+
+  def __init__(self, real, at: int, act, counter=None):
+    self._real, self._at, self._act = real, at, act
+    self._counter = counter if counter is not None else [0]
+    if hasattr(real, "path"):
+      self.path = _CountingProxy(real.path, at, act, self._counter)
+
+  def __getattr__(self, name):
+    value = getattr(self._real, name)
+    if not callable(value) or isinstance(value, type):
+      return value
+
+    def call(*args, **kwargs):
+      if self._counter[0] == self._at:
+        self._act()
+      self._counter[0] += 1
+      return value(*args, **kwargs)
+    return call
+
+
+def _remove_unreadable(base: str) -> str:
+  """Makes a pool's directory in `base`, takes every permission away from
+  it and from a directory in it, then removes it."""
+  swap = swap_dir.make(base, keep=False)
+  os.mkdir(os.path.join(swap.path, "sub"))
+  os.chmod(os.path.join(swap.path, "sub"), 0)
+  os.chmod(swap.path, 0)
+  try:
+    os.listdir(swap.path)
+    return "still readable"
+  except PermissionError:
+    pass
+  swap.remove()
+  return "removed" if not os.listdir(base) else f"left {os.listdir(base)}"
+
+
+class SymlinkRaceTest:
+  """Another user who can rename entries in nvme_dir swaps a pool's
+  directory for a symbolic link while the pool removes it."""
+
+  def victim_and_target(self, tmp_path):
+    base = tmp_path / "nvme"
+    base.mkdir()
+    victim = base / "jcxl-pool-victim"
+    victim.mkdir(mode=0o700)
+    (victim / "tier.swap").write_bytes(b"pool data")
+    target = tmp_path / "theirs"  # a directory of the attacker's choice
+    target.mkdir()
+    (target / "precious").write_text("keep")
+    os.chmod(target / "precious", 0o640)
+    os.chmod(target, 0o751)
+    return victim, target
+
+  # Every point of the removal (past its last step: no race at all).
+  @pytest.mark.parametrize("at", range(16))
+  def test_a_link_put_in_its_place_is_never_followed(self, tmp_path,
+                                                     monkeypatch, at):
+    victim, target = self.victim_and_target(tmp_path)
+    swapped = []
+
+    def swap():
+      if not os.path.isdir(victim):
+        return  # removed already
+      os.rename(victim, victim.parent / "moved")
+      os.symlink(target, victim)
+      swapped.append(True)
+
+    monkeypatch.setattr(swap_dir, "os", _CountingProxy(os, at, swap))
+    swap_dir.remove_tree(str(victim))
+    monkeypatch.undo()
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o751
+    assert stat.S_IMODE(os.stat(target / "precious").st_mode) == 0o640
+    assert (target / "precious").read_text() == "keep"
+    if not swapped:
+      assert not os.path.lexists(victim)  # no race: removed
+
+  def test_a_directory_put_in_its_place_is_left_alone(self, tmp_path):
+    # Only the very directory the pool made is removed, not another one
+    # (of this user's) renamed to its name.
+    swap = swap_dir.make(tmp_path, keep=False)
+    os.rename(swap.path, tmp_path / "moved")
+    os.mkdir(swap.path)
+    with open(os.path.join(swap.path, "mine"), "w") as f:
+      f.write("keep")
+    swap.remove()
+    with open(os.path.join(swap.path, "mine")) as f:
+      assert f.read() == "keep"
+
+  def test_a_directory_made_unreadable_is_still_removed(self):
+    # Modes bind root to nothing: as root, the check runs as another user
+    # (in a forked child), in a directory of that user's.
+    base = tempfile.mkdtemp()
+    try:
+      if os.geteuid() != 0:
+        assert _remove_unreadable(base) == "removed"
+      else:
+        os.chown(base, 65534, 65534)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # only system calls here, then _exit
+          result = "failed"
+          try:
+            os.setgid(65534)
+            os.setuid(65534)
+            result = _remove_unreadable(base)
+          finally:
+            os.write(write, result.encode())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read) as f:
+          assert f.read() == "removed"
+      assert os.listdir(base) == []
+    finally:
+      shutil.rmtree(base, ignore_errors=True)
+
+
+class NvmeDirOwnershipTest:
+  """An nvme_dir in which another user could rename the pool's directory
+  is refused before anything is made in it."""
+
+  def test_writable_by_everyone_without_sticky_bit_is_refused(self, tmp_path):
+    base = tmp_path / "shared"
+    base.mkdir()
+    os.chmod(base, 0o777)
+    with pytest.raises(ValueError, match=r"can be written by every user "
+                       r"\(mode 0777\) and has no sticky bit"):
+      jcxl.Pool(host="8MiB", cxl=0, nvme="16MiB", nvme_dir=base)
+    assert os.listdir(base) == []
+    os.chmod(base, 0o1777)  # as /tmp: others cannot rename our entries
+    with jcxl.Pool(host="8MiB", cxl=0, nvme="16MiB", nvme_dir=base) as pool:
+      pool.put(np.ones(10, np.uint8), "nvme")
+    assert os.listdir(base) == []
+
+  def test_owned_by_another_user_is_refused(self, tmp_path, monkeypatch):
+    base = tmp_path / "theirs"
+    base.mkdir()
+    if os.geteuid() == 0:  # root can hand it to another user
+      owner = 54321
+      os.chown(base, owner, owner)
+    else:  # or this process can pretend to be another user
+      owner = os.geteuid()
+      monkeypatch.setattr(swap_dir.os, "geteuid", lambda: owner + 1)
+    with pytest.raises(ValueError, match=rf"is owned by another user "
+                       rf"\(uid {owner}\)"):
+      swap_dir.make(str(base), keep=False)
+    monkeypatch.undo()
+    assert os.listdir(base) == []
+
+  def test_writable_by_its_group_is_warned_about(self, tmp_path, caplog):
+    os.chmod(tmp_path, 0o770)
+    with caplog.at_level("WARNING", logger="jcxl._src.swap_dir"):
+      swap = swap_dir.make(str(tmp_path), keep=False)
+    swap.remove()
+    assert "can be written by its group" in caplog.text
