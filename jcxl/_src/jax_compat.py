@@ -3,14 +3,10 @@ between JAX releases, and this is the one place to adapt."""
 
 from __future__ import annotations
 
-import logging
-
 import jax
 from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 from jax._src import ffi as _ffi
-
-logger = logging.getLogger(__name__)
 
 
 def allow_ffi_effects_in_remat() -> None:
@@ -36,17 +32,6 @@ def effects_barrier() -> None:
   except Exception:
     _dispatch.runtime_tokens.clear()
     raise
-
-
-def wait_for_dispatched(why: str) -> None:
-  """Waits for the computations with side effects this thread dispatched
-  (JAX keeps their tokens per thread), before `why` (freeing or closing
-  what they use). A failed one is logged, not raised: its results raise
-  its error to whoever reads them."""
-  try:
-    effects_barrier()
-  except Exception as e:  # pylint: disable=broad-except
-    logger.warning("jcxl: a step dispatched before %s failed: %s", why, e)
 
 
 def distributed_client():
@@ -126,3 +111,20 @@ def cast_eqn(aval, dtype):
       struct)
   (eqn,) = closed.jaxpr.eqns
   return eqn
+
+
+def scan_counts(params) -> tuple[int, int]:
+  """(number of consts, number of carries) of a ``scan`` equation's params.
+
+  JAX up to 0.10 names them (``num_consts``, ``num_carry``); later releases
+  keep one flat tree of (consts, carry, xs) operands in ``ft_in``.
+  """
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return _flat_count(consts), _flat_count(carry)
+
+
+def _flat_count(tree) -> int:
+  vals = tree.vals
+  return len(list(vals() if callable(vals) else vals))

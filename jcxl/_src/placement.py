@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jcxl._src import dispatched
 from jcxl._src import distributed
-from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
 from jcxl._src import validation
@@ -309,7 +309,7 @@ def gather(tree: Any) -> Any:
   """
   if any(isinstance(x, PoolArray) for x in jax.tree_util.tree_leaves(
       tree, is_leaf=lambda x: isinstance(x, PoolArray))):
-    jax_compat.effects_barrier()  # raises a failed step's error, once
+    dispatched.barrier()  # raises a failed step's error, once
   return jax.tree_util.tree_map(
       lambda x: gather_one(x) if isinstance(x, PoolArray) else x, tree,
       is_leaf=lambda x: isinstance(x, PoolArray))

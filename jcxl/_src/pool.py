@@ -29,7 +29,7 @@ import numpy as np
 
 from jcxl import _jcxl
 from jcxl._src import errors
-from jcxl._src import jax_compat
+from jcxl._src import dispatched
 from jcxl._src import registry
 from jcxl._src import swap_dir as swap_dir_lib
 from jcxl._src import topology as topology_lib
@@ -1112,7 +1112,7 @@ class Pool:
     and the pool is closed all the same.
     """
     if not self.closed:
-      jax_compat.wait_for_dispatched(f"pool {self.id} was closed")
+      dispatched.wait_before(f"pool {self.id} was closed")
     try:
       self._pool.close(self._timeout_s)
     finally:

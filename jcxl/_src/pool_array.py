@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jcxl._src import errors
-from jcxl._src import jax_compat
+from jcxl._src import dispatched
 from jcxl._src import registry
 from jcxl._src.pool import Tier
 from jcxl._src.units import format_bytes
@@ -151,7 +151,7 @@ class PoolArray:
     """Frees this array's objects in the pool, once the steps this thread
     has dispatched (which may still read or write them) are done."""
     pool = self.pool
-    jax_compat.wait_for_dispatched(f"{self._what()} was deleted")
+    dispatched.wait_before(f"{self._what()} was deleted")
     for _, handle in self.local_handles:
       pool.free(handle)
 
