@@ -14,6 +14,7 @@ import numpy as np
 
 from jcxl._src.dap import compute_estimate
 from jcxl._src.dap import costmodel
+from jcxl._src import jax_compat
 from jcxl._src import schedule as schedule_lib
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.offload.program import Lit
@@ -49,7 +50,7 @@ def _scan_streamed_positions(node: Node, program: Program,
             if key in node.pool_keys}
   if node.eqn is None or node.eqn.primitive.name != "scan":
     return {}  # a host update's node reads only device values
-  first_xs = node.eqn.params["num_consts"] + node.eqn.params["num_carry"]
+  first_xs = sum(jax_compat.scan_counts(node.eqn.params))
   out = {}
   for pos in range(first_xs, len(node.ins)):
     key = program.resolve(node.ins[pos])

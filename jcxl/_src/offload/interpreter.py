@@ -141,7 +141,7 @@ class Interpreter:
   def _streamed_scan(self, node: Node, streamed: dict[int, Any],
                      i: int) -> list[Any]:
     params = node.eqn.params
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = jax_compat.scan_counts(params)
     body = params["jaxpr"]
     ins = [None if pos in streamed else self._read(a, i)
            for pos, a in enumerate(node.ins)]

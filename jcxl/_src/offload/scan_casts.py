@@ -40,7 +40,7 @@ def hoist(program: Program) -> None:
       continue
     closed = eqn.params["jaxpr"]
     body = closed.jaxpr
-    n_carry = eqn.params["num_carry"]
+    _, n_carry = jax_compat.scan_counts(eqn.params)
     producer = {id(v): e for e in body.eqns for v in e.outvars}
     uses = collections.Counter(id(v) for e in body.eqns for v in e.invars)
     uses.update(id(v) for v in body.outvars)

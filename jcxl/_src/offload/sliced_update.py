@@ -78,7 +78,7 @@ def slice_state_updates(program: Program, resident: dict[Any, Any],
   scanned_shapes = set()
   for node in program.nodes:
     if node.eqn is not None and node.eqn.primitive.name == "scan":
-      first_xs = node.eqn.params["num_consts"] + node.eqn.params["num_carry"]
+      first_xs = sum(jax_compat.scan_counts(node.eqn.params))
       for atom in node.ins[first_xs:]:
         key = program.resolve(atom)
         if isinstance(resident.get(key), PoolArray):

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from jcxl._src import jax_compat
 from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
 from jcxl._src.offload.regions import Uses
@@ -87,7 +88,7 @@ def _uses(program: Program, node: Node, source: Any
                if program.resolve(a) == source]
   if eqn is None or eqn.primitive.name != "scan":
     return {None}, []
-  first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+  first_xs = sum(jax_compat.scan_counts(eqn.params))
   body = eqn.params["jaxpr"].jaxpr
   dtypes: set[str | None] = set()
   for p in positions:
