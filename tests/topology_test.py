@@ -518,6 +518,15 @@ class DeviceNodeTest:
     # GPUs on two nodes and no PCI ordering promise: no safe answer.
     assert topology.device_node(FakeGpuWithoutBusId(0), two_socket) == 1
 
+  def test_fallback_is_logged_once_per_device(self, two_socket, caplog):
+    # Placement asks at every transfer's setup: one line per device, not
+    # one per ask.
+    caplog.set_level("INFO", logger=topology.__name__)
+    for device_id in (7, 7, 7, 8):
+      topology.device_node(FakeGpuWithoutBusId(device_id), two_socket)
+    lines = [r for r in caplog.records if "no NUMA node" in r.getMessage()]
+    assert len(lines) == 2
+
   def test_gpus_all_on_one_node(self, tmp_path):
     root = _copy(TWO_SOCKET, tmp_path)
     _write(root / "bus/pci/devices/0000:b1:00.0/numa_node", "0\n")

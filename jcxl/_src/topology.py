@@ -704,10 +704,22 @@ def device_node(device: Any, topology: Topology) -> int:
     node_id = _gpu_node_without_bus_id(device, topology)
   if node_id is None:
     node_id = node_of_current_process(topology)
-    logger.info(
+    _log_once(
         "no NUMA node in %s for %r; using the node of this process, %d",
         topology.sysfs_root,
         device,
         node_id,
     )
   return node_id
+
+
+_logged: set[tuple[Any, ...]] = set()
+
+
+def _log_once(message: str, *args: Any) -> None:
+  """Logs `message` the first time these arguments come: placement asks
+  for a device's node at every transfer's setup (thousands of times per
+  compiled step on a GPU)."""
+  if args not in _logged:
+    _logged.add(args)
+    logger.info(message, *args)
