@@ -257,6 +257,55 @@ class AgreementTest:
     np.testing.assert_allclose(a["losses"], jit_losses(steps), rtol=RTOL)
 
 
+  @pytest.mark.parametrize("theirs", [
+      dict(schedule="dap", device_budget="1MiB", tier="nvme"),
+      dict(schedule="fixed:2")])
+  def test_steps_that_differ_fail_at_the_first_step_in_both(
+      self, tmp_path, theirs):
+    ours = dict(schedule=theirs["schedule"].replace("2", "1"))
+    codes, results, outs = run_workers(tmp_path, ours, theirs, timeout_s=120)
+    assert codes == [0, 0], outs
+    for result in results:
+      assert result["losses"] == []  # nothing ran
+      error = result["error"]
+      assert error.startswith("StepMismatchError: the offloaded step 'step' "
+                              "differs between the 2 processes"), error
+      if "tier" in theirs:
+        assert ("device_budget: process 0 has None, process 1 has 1048576"
+                in error), error
+        assert ("tier of [0]['layer0']['b']: process 0 has cxl, process 1 "
+                "has nvme" in error), error
+        # The budget and 25 leaves (8 weights and biases, adam's count and
+        # 2 x 8 moments): 12 listed.
+        assert "... and 14 more" in error
+      else:
+        assert ("schedule: process 0 has fixed:1, process 1 has fixed:2"
+                in error), error
+
+
+class HostUpdateTest:
+  """update='host' on state that spans processes is refused by name in
+  both processes; 'auto' keeps it on the device, equal to jax.jit."""
+
+  @pytest.mark.parametrize("devices,shard", [(1, True), (2, True),
+                                             (1, False)])
+  def test_refused_by_name_and_auto_runs_on_the_device(
+      self, tmp_path, devices, shard):
+    codes, results, outs = run_workers(
+        tmp_path, dict(devices=devices, shard=shard, steps=3,
+                       update="host,auto"), timeout_s=120)
+    assert codes == [0, 0], outs
+    for result in results:
+      error = result["host"]["error"]
+      assert error.startswith("ValueError: update='host' cannot run the "
+                              "update of "), error
+      assert (f"its state is sharded over {2 * devices} devices of 2 "
+              "processes" in error), error
+    auto = [r["auto"] for r in results]
+    assert "error" not in auto[0] and auto[0]["losses"] == auto[1]["losses"]
+    np.testing.assert_allclose(auto[0]["losses"], jit_losses(3), rtol=RTOL)
+
+
 class FailureTest:
 
   @pytest.mark.parametrize("victim", [0, 1])
@@ -307,6 +356,23 @@ class FailureTest:
     assert ("jcxl: process 1 of 2 failed (UsageError: --nvme_dir "
             in output(procs[0])), output(procs[0])[-3000:]
     assert "stopping process 0 as well" in output(procs[0])
+
+  def test_an_exception_in_one_stops_the_other_without_fail_together(
+      self, tmp_path):
+    # Process 1 raises before its step 2; process 0 would wait in that
+    # step's collective for ever.
+    options = dict(steps=100000)
+    codes, _, outs = run_workers(tmp_path, options,
+                                 dict(options, raise_at=2), timeout_s=60)
+    assert codes[0] != 0 and codes[1] != 0, outs
+    assert ("jcxl: process 1 of 2 failed (RuntimeError: process 1 fails "
+            "before step 2); its peers stop too" in outs[1]), outs[1]
+    # Process 0 hears of it, or its collective loses the peer first.
+    told = ("jcxl: process 1 of 2 failed (RuntimeError: process 1 fails "
+            "before step 2); stopping process 0 as well" in outs[0])
+    lost = re.search(r"jcxl: process 0 of 2 failed \(.*Connection (closed|"
+                     r"reset) by peer.*\); its peers stop too", outs[0])
+    assert told or lost, outs[0]
 
   def test_pools_that_disagree_fail_at_start(self, tmp_path):
     run_dir = str(tmp_path)

@@ -27,8 +27,9 @@ class TrainOptions:
   steps: int = 3
   schedule: str = "fixed:1"
   device_budget: str | None = None
-  update: str = "device"
+  update: str = "device"  # or several, "host,auto": each in turn
   tier: str = "cxl"
+  shard: bool = True  # FSDP over every device; False: replicated
   # DAP's tuner made to race and re-plan within a few hundred steps: every
   # check of a settled plan looks off (see tune_hard).
   tune_hard: bool = False
@@ -91,7 +92,8 @@ def train(process: int, options: TrainOptions) -> dict:
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
   fsdp = lambda a: jax.sharding.NamedSharding(
-      mesh, P(*[None] * (np.ndim(a) - 1), "fsdp") if np.ndim(a) else P())
+      mesh, P(*[None] * (np.ndim(a) - 1), "fsdp")
+      if np.ndim(a) and options.shard else P())
   replicated = jax.sharding.NamedSharding(mesh, P())
   tx = optax.adam(1e-2)
   params = mlp_init()
@@ -99,6 +101,10 @@ def train(process: int, options: TrainOptions) -> dict:
   global_state = jax.tree.map(
       lambda a: jax.make_array_from_callback(
           np.shape(a), fsdp(a), lambda i, a=np.asarray(a): a[i]), state)
+  if "," in options.update:  # each in turn, from the same state
+    return {update: train(process, dataclasses.replace(options,
+                                                       update=update))
+            for update in options.update.split(",")}
   result = {"losses": [], "plans": []}
   with jcxl.Pool(host="4MiB", cxl="16MiB", nvme="16MiB") as pool:
     params, opt_state = jcxl.place(global_state, options.tier, pool=pool)

@@ -255,7 +255,7 @@ class OffloadedStep:
                for d in x.sharding.device_set}
     if not distributed.spans_processes(devices):
       return
-    agreement = distributed.Agreement(f"the offloaded step {self._name}")
+    agreement = distributed.Agreement(f"the offloaded step '{self._name}'")
     distributed.check_steps_agree(agreement, self._settings(bound))
     self._scheduler.agreement = agreement
 
