@@ -388,6 +388,26 @@ class NothingSilentlyWrongTest:
                        "returned by the step"):
       train("host")
 
+  @pytest.mark.parametrize("update", ["device", "host", "auto"])
+  def test_one_value_written_into_two_leaves(self, pool, update):
+    # Each leaf gets it (one was left as it was).
+    def step_fn(a, b, x):
+      g = jax.grad(lambda w: jnp.sum(jnp.tanh(w * x)))(a["w"])
+      new = {"w": a["w"] - 0.1 * g}
+      return new, new
+
+    a0 = {"w": np.ones((8, 8), np.float32)}
+    b0 = {"w": np.zeros((8, 8), np.float32)}
+    want = jax.jit(step_fn)(a0, b0, 2.0)
+    a, b = jcxl.cxl_offload(step_fn, update=update)(
+        jcxl.place(a0, "cxl", pool=pool), jcxl.place(b0, "cxl", pool=pool),
+        2.0)
+    for got, ref in ((a, want[0]), (b, want[1])):
+      if update == "device":
+        np.testing.assert_array_equal(jcxl.gather(got)["w"], ref["w"])
+      else:
+        assert_close(jcxl.gather(got), ref)
+
   def test_auto_measures_without_room_in_the_pool(self):
     # The host tier has less than the 64 MiB the host update's rate is
     # measured on: nothing of it is needed, nothing is left in it.

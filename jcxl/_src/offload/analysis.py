@@ -27,6 +27,7 @@ from jcxl._src.offload import weight_copies
 from jcxl._src.offload.clusters import FetchClusters
 from jcxl._src.offload.host_update import HostUpdateNode
 from jcxl._src.offload.program import Lit
+from jcxl._src.offload.program import Node
 from jcxl._src.offload.program import Program
 from jcxl._src.offload.program import layer_of
 from jcxl._src.offload.program import reorder_by_layer
@@ -244,6 +245,9 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
     old = ("in", prep.targets[j]) if j in prep.targets else None
     target = resident.get(old)
     if isinstance(target, PoolArray):
+      if key in stores and stores[key] is not target:
+        # One value written into two leaves: each store needs its own key.
+        key = _copy_of(program, key, target)
       if key != old:  # unchanged state: nothing to write
         stores[key] = target
     elif j < num_out:  # the arguments as left: written, never returned
@@ -298,6 +302,18 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
                   store_after, returned,
                   fetches.timeline(stores, store_after, timed), chosen,
                   update_paths)
+
+
+def _copy_of(program: Program, key: Any, like: PoolArray) -> Any:
+  """A new key holding a copy of `key` (of `like`'s shape and dtype),
+  made by a node right after the one that produces `key`."""
+  eqn = jax.make_jaxpr(jax.numpy.copy)(
+      jax.ShapeDtypeStruct(like.shape, like.dtype)).jaxpr.eqns[0]
+  copied = (program.new_scope(), eqn.outvars[0])
+  at = next((n + 1 for n, node in enumerate(program.nodes)
+             if key in node.outs), 0)
+  program.nodes.insert(at, Node(eqn, [key], [copied]))
+  return copied
 
 
 def _check_every_write(state_writes: dict[Any, PoolArray],

@@ -102,6 +102,10 @@ class Program:
     passed = iter(outs)
     return [a if isinstance(a, Lit) else next(passed) for a in ins]
 
+  def new_scope(self) -> int:
+    """A scope no traced equation's variables are keyed by."""
+    return next(self._scopes)
+
   def resolve(self, atom):
     while not isinstance(atom, Lit) and atom in self.alias:
       atom = self.alias[atom]
