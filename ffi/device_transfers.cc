@@ -480,6 +480,29 @@ void DeviceTransfers::Complete(const std::shared_ptr<Job>& job) {
   job->r.pool.reset();
 }
 
+Status DeviceTransfers::AbortRun(void* compute, int64_t run) {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+      if (it->second->r.run == run) {
+        jobs.push_back(std::move(it->second));
+        it = in_flight_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  Status first;
+  for (const auto& job : jobs) {
+    WaitFinished(*job);
+    if (!job->done) continue;  // failed before any copy was queued
+    Status waited = ops_->ComputeWaits(compute, job->done);
+    if (!waited.ok() && first.ok()) first = waited;
+  }
+  return first;
+}
+
 Status DeviceTransfers::Done(void* compute, const void* buffer) {
   std::shared_ptr<Job> job;
   {

@@ -170,6 +170,7 @@ struct DeviceRequest {
   int priority = 0;
   uint64_t chunk_bytes = 0;  // the copy engine's pieces (staged path)
   int64_t timeout_ns = 0;    // for the staged path's pool side
+  int64_t run = 0;           // the execution that started it (XLA's RunId)
 };
 
 struct DeviceCounters {
@@ -204,6 +205,11 @@ class DeviceTransfers {
   // the staged path's pool side is waited for on the host, so that its
   // error is the step's. kNotFound: no transfer in flight for `buffer`.
   Status Done(void* compute, const void* buffer);
+  // Execution `run` fails: makes the compute stream wait for every transfer
+  // it started and no `done` took (XLA frees the execution's buffers on the
+  // compute stream once the error is returned), and forgets them. The first
+  // error met, if any; the rest are still waited for.
+  Status AbortRun(void* compute, int64_t run);
   // Returns once every queued transfer and completion has run (tests, and
   // the counters' readers).
   void Drain();

@@ -6,6 +6,13 @@
 
 namespace jcxl {
 
+Status AlreadyFailed(int64_t run, const std::string& what) {
+  return Status(Code::kInternal,
+                "execution " + std::to_string(run) +
+                    " already failed (an earlier error of this step): " +
+                    what);
+}
+
 ExecutionTransfers& ExecutionTransfers::Get() {
   static auto* table = new ExecutionTransfers();
   return *table;
@@ -41,10 +48,7 @@ Status ExecutionTransfers::Add(int64_t run, const void* buffer,
   if (stale) Stop(stale);
   if (refused) {
     Stop(ticket);
-    return Status(Code::kInternal,
-                  "execution " + std::to_string(run) +
-                      " already failed (an earlier error of this step); "
-                      "this transfer was stopped before it could run");
+    return AlreadyFailed(run, "this transfer was stopped before it ran");
   }
   return Status::Ok();
 }
@@ -82,6 +86,11 @@ int ExecutionTransfers::Abort(int64_t run) {
   for (const auto& ticket : stopping) ticket->Cancel();
   for (const auto& ticket : stopping) Stop(ticket);
   return static_cast<int>(stopping.size());
+}
+
+bool ExecutionTransfers::failed(int64_t run) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_.count(run) > 0;
 }
 
 size_t ExecutionTransfers::in_flight() {

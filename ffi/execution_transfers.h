@@ -24,6 +24,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -31,6 +32,9 @@
 #include "status.h"
 
 namespace jcxl {
+
+// kInternal: execution `run` failed before; `what` says what was refused.
+Status AlreadyFailed(int64_t run, const std::string& what);
 
 class ExecutionTransfers {
  public:
@@ -50,6 +54,10 @@ class ExecutionTransfers {
   // none of them touches its buffer, and makes later Adds for `run` fail.
   // Returns how many copies it stopped.
   int Abort(int64_t run);
+
+  // Whether execution `run` failed (as far as the bounded memory of failed
+  // runs goes).
+  bool failed(int64_t run);
 
   // Copies filed and not taken (all executions).
   size_t in_flight();

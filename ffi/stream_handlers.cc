@@ -89,9 +89,14 @@ void AdviseHugePages(void* data, uint64_t bytes) {
   }
 }
 
-ffi::Error Wait(const char* handler, const void* address,
+ffi::Error Wait(const char* handler, int64_t run, const void* address,
                 int64_t timeout_ms) {
-  std::shared_ptr<Ticket> ticket = ExecutionTransfers::Get().Take(address);
+  ExecutionTransfers& table = ExecutionTransfers::Get();
+  std::shared_ptr<Ticket> ticket = table.Take(address);
+  if (!ticket && table.failed(run)) {
+    // Another device's part of the execution failed and stopped this copy.
+    return Fail(handler, AlreadyFailed(run, "its transfers were stopped"));
+  }
   if (!ticket) return NoTransferInFlight(handler);
   const int64_t started = NowNs();
   Status status = ticket->Wait(TimeoutNs(timeout_ms));
@@ -169,7 +174,8 @@ ffi::Error FetchStartIntoImpl(ffi::RunId run, ffi::Buffer<ffi::S32> handle,
 ffi::Error FetchDoneImpl(ffi::RunId run, ffi::AnyBuffer in, ffi::AnyBuffer,
                          ffi::Result<ffi::AnyBuffer> out, int64_t timeout_ms) {
   return FailingStopsTheExecution(run, [&] {
-    ffi::Error waited = Wait("jcxl_fetch_done", in.untyped_data(), timeout_ms);
+    ffi::Error waited = Wait("jcxl_fetch_done", run.run_id, in.untyped_data(),
+                             timeout_ms);
     if (waited.failure()) return waited;
     if (out->untyped_data() != in.untyped_data()) {  // not aliased after all
       std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
@@ -212,7 +218,8 @@ ffi::Error StoreDoneImpl(ffi::RunId run, ffi::AnyBuffer in,
                          ffi::Result<ffi::AnyBuffer> token,
                          int64_t timeout_ms) {
   return FailingStopsTheExecution(run, [&] {
-    ffi::Error waited = Wait("jcxl_store_done", in.untyped_data(), timeout_ms);
+    ffi::Error waited = Wait("jcxl_store_done", run.run_id, in.untyped_data(),
+                             timeout_ms);
     if (waited.failure()) return waited;
     std::memset(token->untyped_data(), 0, token->size_bytes());
     return ffi::Error::Success();

@@ -24,7 +24,8 @@ template <typename Binding>
 auto CudaContext(Binding&& binding) {
   return std::move(binding)
       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Ctx<ffi::DeviceOrdinal>();
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Ctx<ffi::RunId>();
 }
 
 ffi::Error CudaFail(const char* handler, const char* what, cudaError_t error) {
@@ -322,6 +323,7 @@ struct Request {
   int priority;
   uint64_t chunk_bytes;
   int64_t timeout_ns;
+  int64_t run;
 };
 
 ffi::Error Start(const Request& r) {
@@ -353,6 +355,7 @@ ffi::Error Start(const Request& r) {
   request.priority = r.priority;
   request.chunk_bytes = r.chunk_bytes;
   request.timeout_ns = r.timeout_ns;
+  request.run = r.run;
   Status started = (*transfers)->Start(std::move(request));
   if (!started.ok()) return Fail(r.handler, started);
   return ffi::Error::Success();
@@ -378,13 +381,26 @@ ffi::Error CopyIfNotAliased(const char* handler, cudaStream_t stream,
   return ffi::Error::Success();
 }
 
-ffi::Error FetchStartImpl(cudaStream_t stream, int32_t ordinal,
-                          ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32> index,
-                          ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
-                          int32_t pool_id, bool stacked, int64_t block_rows,
-                          int32_t priority, int64_t chunk_bytes,
-                          ffi::Span<const int32_t> device_handles,
-                          int64_t static_index, int64_t timeout_ms) {
+// Runs a handler's body; if it fails, the execution fails with it: the
+// compute stream first waits for every transfer the execution started and
+// no `done` took, since XLA frees the execution's buffers on that stream
+// once it sees the error (as the CPU handlers stop theirs: see
+// execution_transfers.h).
+template <typename Body>
+ffi::Error FailingStopsTheExecution(cudaStream_t stream, int32_t ordinal,
+                                    ffi::RunId run, Body&& body) {
+  ffi::Error error = body();
+  if (error.failure()) AbortExecution(stream, ordinal, run.run_id);
+  return error;
+}
+
+ffi::Error FetchStart(cudaStream_t stream, int32_t ordinal, int64_t run,
+                      ffi::Buffer<ffi::S32> index,
+                      ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
+                      bool stacked, int64_t block_rows, int32_t priority,
+                      int64_t chunk_bytes,
+                      ffi::Span<const int32_t> device_handles,
+                      int64_t static_index, int64_t timeout_ms) {
   const char* handler = "jcxl_fetch_start";
   ffi::ErrorOr<int32_t> handle = HandleFor(handler, device_handles, ordinal);
   if (handle.has_error()) return handle.error();
@@ -392,41 +408,60 @@ ffi::Error FetchStartImpl(cudaStream_t stream, int32_t ordinal,
                 Slice{pool_id, *handle, stacked, block_rows}, static_index,
                 index.untyped_data(), ShapeOf(*out), out->untyped_data(),
                 Direction::kFromPool, priority,
-                static_cast<uint64_t>(chunk_bytes), TimeoutNs(timeout_ms)});
+                static_cast<uint64_t>(chunk_bytes), TimeoutNs(timeout_ms),
+                run});
+}
+
+ffi::Error FetchStartImpl(cudaStream_t stream, int32_t ordinal,
+                          ffi::RunId run, ffi::Buffer<ffi::S32>,
+                          ffi::Buffer<ffi::S32> index, ffi::AnyBuffer,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
+                          bool stacked, int64_t block_rows, int32_t priority,
+                          int64_t chunk_bytes,
+                          ffi::Span<const int32_t> device_handles,
+                          int64_t static_index, int64_t timeout_ms) {
+  return FailingStopsTheExecution(stream, ordinal, run, [&] {
+    return FetchStart(stream, ordinal, run.run_id, index, out, pool_id,
+                      stacked, block_rows, priority, chunk_bytes,
+                      device_handles, static_index, timeout_ms);
+  });
 }
 
 ffi::Error FetchStartIntoImpl(cudaStream_t stream, int32_t ordinal,
-                              ffi::Buffer<ffi::S32> handle,
-                              ffi::Buffer<ffi::S32> index, ffi::AnyBuffer after,
+                              ffi::RunId run, ffi::Buffer<ffi::S32>,
+                              ffi::Buffer<ffi::S32> index, ffi::AnyBuffer,
                               ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
                               int32_t pool_id, bool stacked,
                               int64_t block_rows, int32_t priority,
                               int64_t chunk_bytes,
                               ffi::Span<const int32_t> device_handles,
                               int64_t static_index, int64_t timeout_ms) {
-  return FetchStartImpl(stream, ordinal, handle, index, after, out, pool_id,
-                        stacked, block_rows, priority, chunk_bytes,
-                        device_handles, static_index, timeout_ms);
+  return FailingStopsTheExecution(stream, ordinal, run, [&] {
+    return FetchStart(stream, ordinal, run.run_id, index, out, pool_id,
+                      stacked, block_rows, priority, chunk_bytes,
+                      device_handles, static_index, timeout_ms);
+  });
 }
 
-ffi::Error FetchDoneImpl(cudaStream_t stream, int32_t ordinal,
+ffi::Error FetchDoneImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
                          ffi::AnyBuffer in, ffi::AnyBuffer,
                          ffi::Result<ffi::AnyBuffer> out, int64_t) {
-  ffi::Error waited = Done("jcxl_fetch_done", stream, ordinal,
-                           in.untyped_data());
-  if (waited.failure()) return waited;
-  return CopyIfNotAliased("jcxl_fetch_done", stream, out->untyped_data(),
-                          in.untyped_data(), in.size_bytes());
+  return FailingStopsTheExecution(stream, ordinal, run, [&] {
+    ffi::Error waited = Done("jcxl_fetch_done", stream, ordinal,
+                             in.untyped_data());
+    if (waited.failure()) return waited;
+    return CopyIfNotAliased("jcxl_fetch_done", stream, out->untyped_data(),
+                            in.untyped_data(), in.size_bytes());
+  });
 }
 
-ffi::Error StoreStartImpl(cudaStream_t stream, int32_t ordinal,
-                          ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32> index,
-                          ffi::AnyBuffer in, ffi::AnyBuffer,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
-                          bool stacked, int64_t block_rows, int32_t priority,
-                          int64_t chunk_bytes,
-                          ffi::Span<const int32_t> device_handles,
-                          int64_t static_index, int64_t timeout_ms) {
+ffi::Error StoreStart(cudaStream_t stream, int32_t ordinal, int64_t run,
+                      ffi::Buffer<ffi::S32> index, ffi::AnyBuffer in,
+                      ffi::Result<ffi::AnyBuffer> out, int32_t pool_id,
+                      bool stacked, int64_t block_rows, int32_t priority,
+                      int64_t chunk_bytes,
+                      ffi::Span<const int32_t> device_handles,
+                      int64_t static_index, int64_t timeout_ms) {
   const char* handler = "jcxl_store_start";
   ffi::ErrorOr<int32_t> handle = HandleFor(handler, device_handles, ordinal);
   if (handle.has_error()) return handle.error();
@@ -437,23 +472,43 @@ ffi::Error StoreStartImpl(cudaStream_t stream, int32_t ordinal,
                 Slice{pool_id, *handle, stacked, block_rows}, static_index,
                 index.untyped_data(), ShapeOf(*out), out->untyped_data(),
                 Direction::kToPool, priority,
-                static_cast<uint64_t>(chunk_bytes), TimeoutNs(timeout_ms)});
+                static_cast<uint64_t>(chunk_bytes), TimeoutNs(timeout_ms),
+                run});
 }
 
-ffi::Error StoreDoneImpl(cudaStream_t stream, int32_t ordinal,
+ffi::Error StoreStartImpl(cudaStream_t stream, int32_t ordinal,
+                          ffi::RunId run, ffi::Buffer<ffi::S32>,
+                          ffi::Buffer<ffi::S32> index, ffi::AnyBuffer in,
+                          ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out,
+                          int32_t pool_id, bool stacked, int64_t block_rows,
+                          int32_t priority, int64_t chunk_bytes,
+                          ffi::Span<const int32_t> device_handles,
+                          int64_t static_index, int64_t timeout_ms) {
+  return FailingStopsTheExecution(stream, ordinal, run, [&] {
+    return StoreStart(stream, ordinal, run.run_id, index, in, out, pool_id,
+                      stacked, block_rows, priority, chunk_bytes,
+                      device_handles, static_index, timeout_ms);
+  });
+}
+
+ffi::Error StoreDoneImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
                          ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> token,
                          int64_t) {
-  ffi::Error waited = Done("jcxl_store_done", stream, ordinal,
-                           in.untyped_data());
-  if (waited.failure()) return waited;
-  JCXL_CUDA_RETURN_IF_ERROR(
-      "jcxl_store_done", "cudaMemsetAsync",
-      cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream));
-  return ffi::Error::Success();
+  return FailingStopsTheExecution(stream, ordinal, run, [&]() -> ffi::Error {
+    ffi::Error waited = Done("jcxl_store_done", stream, ordinal,
+                             in.untyped_data());
+    if (waited.failure()) return waited;
+    JCXL_CUDA_RETURN_IF_ERROR(
+        "jcxl_store_done", "cudaMemsetAsync",
+        cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(),
+                        stream));
+    return ffi::Error::Success();
+  });
 }
 
-ffi::Error AfterImpl(cudaStream_t stream, int32_t, ffi::AnyBuffer x,
-                     ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error AfterImpl(cudaStream_t stream, int32_t, ffi::RunId,
+                     ffi::AnyBuffer x, ffi::AnyBuffer,
+                     ffi::Result<ffi::AnyBuffer> out) {
   return CopyIfNotAliased("jcxl_after", stream, out->untyped_data(),
                           x.untyped_data(), x.size_bytes());
 }
@@ -495,6 +550,13 @@ double MemcpyBandwidth(int ordinal, uint64_t bytes, bool to_device,
   if (host) cudaFreeHost(host);
   if (error != cudaSuccess) return -static_cast<double>(error);
   return static_cast<double>(bytes) * repeats / (ms * 1e-3);
+}
+
+void AbortExecution(void* stream, int ordinal, int64_t run) {
+  if (cudaSetDevice(ordinal) != cudaSuccess) return;
+  ffi::ErrorOr<DeviceTransfers*> transfers = TransfersFor("jcxl", ordinal);
+  // Best effort past the first error: the step fails with that one.
+  if (!transfers.has_error()) (*transfers)->AbortRun(stream, run);
 }
 
 void Flush() {

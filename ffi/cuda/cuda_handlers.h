@@ -48,6 +48,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaUpdateDone);
 double MemcpyBandwidth(int ordinal, uint64_t bytes, bool to_device,
                        int repeats);
 
+// Execution `run` fails: the compute stream `stream` (a cudaStream_t) of
+// device `ordinal` waits for every transfer the execution started and no
+// `done` took, before XLA frees its buffers on that stream. Every CUDA
+// handler calls it before it returns an error.
+void AbortExecution(void* stream, int ordinal, int64_t run);
+
 // Returns once every transfer issued so far has completed and been logged
 // (LogStreamWait): the completion thread logs each one shortly after it
 // ends, and a step's profile must see all of its own.

@@ -32,10 +32,10 @@ ffi::Error CudaError(const char* handler, const char* what,
 // The scalars come from the step's earlier kernels: synchronizing the
 // stream after their copy also makes every store the step queued before
 // (what the program reads) land in the pool before the run starts.
-ffi::Error UpdateStartImpl(cudaStream_t stream, int32_t ordinal,
-                           ffi::Buffer<ffi::F32> scalars, ffi::AnyBuffer,
-                           ffi::Result<ffi::Buffer<ffi::S32>> token,
-                           int32_t pool_id, int32_t program) {
+ffi::Error UpdateStart(cudaStream_t stream, int32_t ordinal,
+                       ffi::Buffer<ffi::F32> scalars,
+                       ffi::Result<ffi::Buffer<ffi::S32>> token,
+                       int32_t pool_id, int32_t program) {
   const char* handler = "jcxl_update_start";
   if (token->element_count() != 2) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -69,10 +69,10 @@ ffi::Error UpdateStartImpl(cudaStream_t stream, int32_t ordinal,
   return ffi::Error::Success();
 }
 
-ffi::Error UpdateDoneImpl(cudaStream_t stream, int32_t ordinal,
-                          ffi::Buffer<ffi::S32> token, ffi::AnyBuffer,
-                          ffi::Result<ffi::Buffer<ffi::S32>> out,
-                          int64_t timeout_ms) {
+ffi::Error UpdateDone(cudaStream_t stream, int32_t ordinal,
+                      ffi::Buffer<ffi::S32> token,
+                      ffi::Result<ffi::Buffer<ffi::S32>> out,
+                      int64_t timeout_ms) {
   const char* handler = "jcxl_update_done";
   if (token.element_count() != 2) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -96,11 +96,35 @@ ffi::Error UpdateDoneImpl(cudaStream_t stream, int32_t ordinal,
   return ffi::Error::Success();
 }
 
+// A failed update fails the step: the transfers it started are waited for
+// first (see AbortExecution).
+ffi::Error UpdateStartImpl(cudaStream_t stream, int32_t ordinal,
+                           ffi::RunId run, ffi::Buffer<ffi::F32> scalars,
+                           ffi::AnyBuffer,
+                           ffi::Result<ffi::Buffer<ffi::S32>> token,
+                           int32_t pool_id, int32_t program) {
+  ffi::Error error = UpdateStart(stream, ordinal, scalars, token, pool_id,
+                                 program);
+  if (error.failure()) AbortExecution(stream, ordinal, run.run_id);
+  return error;
+}
+
+ffi::Error UpdateDoneImpl(cudaStream_t stream, int32_t ordinal,
+                          ffi::RunId run, ffi::Buffer<ffi::S32> token,
+                          ffi::AnyBuffer,
+                          ffi::Result<ffi::Buffer<ffi::S32>> out,
+                          int64_t timeout_ms) {
+  ffi::Error error = UpdateDone(stream, ordinal, token, out, timeout_ms);
+  if (error.failure()) AbortExecution(stream, ordinal, run.run_id);
+  return error;
+}
+
 template <typename Binding>
 auto CudaContext(Binding&& binding) {
   return std::move(binding)
       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Ctx<ffi::DeviceOrdinal>();
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Ctx<ffi::RunId>();
 }
 
 }  // namespace

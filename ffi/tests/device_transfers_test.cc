@@ -569,6 +569,37 @@ TEST(AStaleTransferIsWaitedForBeforeItsBufferIsReused) {
   CHECK_EQ(rig.transfers->counters().stale_waits, uint64_t{1});
 }
 
+TEST(AFailedExecutionsTransfersRunBeforeItsBuffersAreFreed) {
+  Rig rig;
+  std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());
+  const std::vector<char> a = Pattern(64 * kKiB, 40);
+  const std::vector<char> b = Pattern(64 * kKiB, 41);
+  const std::vector<char> c = Pattern(64 * kKiB, 42);
+  const int32_t direct = Put(*pool, TierKind::kHost, a);
+  const int32_t staged = Put(*pool, TierKind::kCxl, b);
+  const int32_t other = Put(*pool, TierKind::kHost, c);
+  std::vector<char> got_a(a.size()), got_b(b.size()), got_c(c.size());
+  DeviceRequest fetch_a = Fetch(pool, direct, got_a);
+  DeviceRequest fetch_b = Fetch(pool, staged, got_b);
+  DeviceRequest fetch_c = Fetch(pool, other, got_c);
+  fetch_a.run = fetch_b.run = 9;
+  fetch_c.run = 10;  // another execution's
+  CHECK_OK(rig.transfers->Start(std::move(fetch_a)));
+  CHECK_OK(rig.transfers->Start(std::move(fetch_b)));
+  CHECK_OK(rig.transfers->Start(std::move(fetch_c)));
+  // Execution 9 fails with no `done` run: the fake runs a copy only once
+  // the compute stream waits for an event after it, so the bytes show that
+  // the compute stream (where XLA frees the buffers) waits for both.
+  CHECK_OK(rig.transfers->AbortRun(nullptr, 9));
+  CHECK(got_a == a);
+  CHECK(got_b == b);
+  CHECK_CODE(rig.transfers->Done(nullptr, got_a.data()), Code::kNotFound);
+  CHECK_CODE(rig.transfers->Done(nullptr, got_b.data()), Code::kNotFound);
+  CHECK_OK(rig.transfers->Done(nullptr, got_c.data()));
+  rig.transfers->Drain();
+  CHECK(got_c == c);
+}
+
 TEST(CompletionsLogWaitsReleaseEverythingAndDropThePoolOffTheLaunchThread) {
   Rig rig;
   std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());

@@ -74,7 +74,10 @@ TEST(AStartAfterItsExecutionFailedIsRefusedAndStopped) {
   LinkModel link(50e6, 0);
   CopyEngine engine(1, 16 * kKiB, {});
   ExecutionTransfers table;
+  CHECK(!table.failed(11));
   CHECK_EQ(table.Abort(11), 0);
+  CHECK(table.failed(11));
+  CHECK(!table.failed(12));
   std::vector<char> buffer(256 * kKiB);
   std::shared_ptr<Ticket> ticket = engine.Submit(Copy(
       arena.get(), &link, 0, buffer.data(), buffer.size(),
@@ -133,9 +136,9 @@ bool Named(const Status& status) {
 // One execution: `copies` starts, then their dones; it fails at a random
 // point. Its buffers are freed as soon as it is over, failed or not, as
 // XLA frees an execution's buffers.
-void RunExecution(int64_t run, std::mt19937_64& rng, CopyEngine& engine,
-                  Arena* arena, LinkModel* link, ExecutionTransfers& table,
-                  Tally& tally) {
+void RunExecution(int thread, int64_t run, std::mt19937_64& rng,
+                  CopyEngine& engine, Arena* arena, LinkModel* link,
+                  ExecutionTransfers& table, Tally& tally) {
   const int copies = 1 + static_cast<int>(rng() % 8);
   // 0..copies-1: the start of that copy is refused (object freed, tier
   // full, pool closed: no copy is submitted); copies..2*copies-1: that
@@ -157,7 +160,9 @@ void RunExecution(int64_t run, std::mt19937_64& rng, CopyEngine& engine,
     if (direction == Direction::kToPool) {
       std::memset(buffers.back().get(), static_cast<int>(run), bytes);
     }
-    const uint64_t offset = (rng() % (kArenaBytes / (64 * kKiB))) * 64 * kKiB;
+    // Each thread's copies have pool bytes of their own, as a step's
+    // objects are its own: no two copies race on them.
+    const uint64_t offset = (thread * 8 + i) * 64 * kKiB;
     tickets.push_back(engine.Submit(Copy(arena, link, offset,
                                          buffers.back().get(), bytes,
                                          direction)));
@@ -190,8 +195,9 @@ void RunExecution(int64_t run, std::mt19937_64& rng, CopyEngine& engine,
     // A start racing the failure on another thread of the execution.
     if (rng() % 4 == 0) {
       auto late = std::make_unique<char[]>(4 * kKiB);
-      std::shared_ptr<Ticket> ticket = engine.Submit(Copy(
-          arena, link, 0, late.get(), 4 * kKiB, Direction::kFromPool));
+      std::shared_ptr<Ticket> ticket = engine.Submit(
+          Copy(arena, link, thread * 8 * 64 * kKiB, late.get(), 4 * kKiB,
+               Direction::kFromPool));
       Status refused = table.Add(run, late.get(), ticket);
       if (refused.ok() || !Named(refused) || !ticket->done()) {
         tally.Problem("a start after the execution failed ran on");
@@ -232,8 +238,8 @@ TEST(FailedExecutionsNeverLeaveACopyBehind) {
             fault.skip = rng() % 8;
             engine.InjectFault(fault);
           }
-          RunExecution(next_run++, rng, engine, arena.get(), &link, table,
-                       tally);
+          RunExecution(t, next_run++, rng, engine, arena.get(), &link,
+                       table, tally);
         }
       });
     }
