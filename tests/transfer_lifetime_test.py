@@ -178,6 +178,23 @@ class ExitTest:
     assert "is closed" not in result.stderr, result.stderr[-3000:]
 
 
+  def test_exit_waits_a_bounded_time_and_says_so(self):
+    result = run_python("""
+    import jcxl._src.pool
+    jcxl._src.pool._EXIT_WAIT_S = 0.2  # the step takes longer
+    pool = jcxl.Pool(host="32MiB", cxl="64MiB", timeout_s=0.1,
+                     cxl_link=jcxl.LinkModel(bandwidth="4MB/s"))
+    p = jcxl.place(init(), "cxl", pool=pool)
+    o = jcxl.place(tx.init(init()), "cxl", pool=pool)
+    step = jcxl.cxl_offload(step_fn, device_budget="16MiB",
+                            schedule="fixed:1")
+    p, o, loss = step(p, o, X)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("1 step(s) still running after 0.2 s when pool 1 was closed at "
+            "exit") in result.stderr, result.stderr[-3000:]
+
+
 class RandomFailureTest:
 
   @pytest.mark.parametrize("update", ["device", "host"])

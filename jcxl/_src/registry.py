@@ -89,7 +89,7 @@ def wait_for_steps(timeout_s: float, why: str) -> None:
   if not wait_for_results(steps, timeout_s):
     running = sum(_running(r) for r in steps)
     logger.warning(
-        "jcxl: %d step(s) still running after %.0f s when %s; their "
+        "jcxl: %d step(s) still running after %g s when %s; their "
         "transfers fail and their results are incomplete", running,
         timeout_s, why)
 

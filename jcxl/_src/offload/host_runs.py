@@ -215,7 +215,7 @@ _RELEASE_WAIT_S = 300.0
 
 def _release(made: dict, running: list[Any]) -> None:
   if made and not registry.wait_for_results(running, _RELEASE_WAIT_S):
-    logger.warning("jcxl: a dropped step's call still ran after %.0f s; "
+    logger.warning("jcxl: a dropped step's call still ran after %g s; "
                    "its host updates' objects are freed under it",
                    _RELEASE_WAIT_S)
   running.clear()
