@@ -14,6 +14,8 @@
 // data dependency: the start must come after the stores of what the
 // program reads (the gradients), the done before the fetches of what it
 // writes. Runs are by id, not by buffer address, so XLA may copy the token.
+// A handler that fails first stops the copies its execution has in flight
+// (execution_transfers.h): XLA frees the execution's buffers on the error.
 #ifndef JCXL_FFI_UPDATE_HANDLERS_H_
 #define JCXL_FFI_UPDATE_HANDLERS_H_
 
