@@ -408,6 +408,28 @@ class NothingSilentlyWrongTest:
       else:
         assert_close(jcxl.gather(got), ref)
 
+  def test_a_program_the_pool_would_refuse_stays_on_the_device(
+      self, pool, monkeypatch):
+    # (As one past the pool's register limit would be.)
+    _host_preferred(monkeypatch)
+
+    def refuse(program):
+      raise ValueError("update program: has 20000 registers")
+    monkeypatch.setattr(jcxl.updates.Program, "validate", refuse)
+    params, loss_fn = mlp(scan=False)
+    data = batches(2)
+    with pytest.raises(ValueError, match=r"cannot run the update of .* the "
+                       r"host cannot run its program \(update program: has "
+                       "20000 registers"):
+      run(pool, params, loss_fn, optax.adam(1e-2), data, "host")
+    step, losses, p, _ = run(pool, params, loss_fn, optax.adam(1e-2), data,
+                             "auto")
+    _, dev_losses, dev_p, _ = run(pool, params, loss_fn, optax.adam(1e-2),
+                                  data, "device")
+    assert {l.update for l in step.plan.layers} == {"device"}
+    np.testing.assert_array_equal(losses, dev_losses)
+    assert_close(p, dev_p, rtol=0)
+
   def test_auto_measures_without_room_in_the_pool(self):
     # The host tier has less than the 64 MiB the host update's rate is
     # measured on: nothing of it is needed, nothing is left in it.

@@ -434,9 +434,16 @@ def _make_node(program: Program, g: Uses, members: set[int],
       overwritten=sorted(set(overwritten) | set(reads), key=str),
       layer=layer, pool_id=pools.pop(), position=last)
   try:  # with stand-ins for the gradients' objects, made later
-    compile_program(node, program, {k: -1 for k in grads})
+    stand_in = compile_program(node, program, {k: -1 for k in grads})
+    # What the pool would refuse to register (too many registers, ...),
+    # refused here: 'auto' then keeps the update on the device.
+    dataclasses.replace(stand_in, outputs=[
+        up.Output(reg=o.reg, handle=j)
+        for j, o in enumerate(stand_in.outputs)]).validate()
   except _NotOnHost as e:
     return None, str(e)
+  except ValueError as e:
+    return None, f"the host cannot run its program ({e})"
   return node, ""
 
 
