@@ -430,6 +430,35 @@ class NothingSilentlyWrongTest:
     np.testing.assert_array_equal(losses, dev_losses)
     assert_close(p, dev_p, rtol=0)
 
+  def test_auto_with_no_room_for_the_gradients_runs_on_the_device(self):
+    params, loss_fn = mlp(scan=False)
+    data = batches(2)
+    tx = optax.adam(1e-2)
+    ref = jax.jit(make_step(loss_fn, tx))
+    ref_p, ref_s = params, tx.init(params)
+    for x in data:
+      ref_p, ref_s, ref_loss = ref(ref_p, ref_s, x)
+    with jcxl.Pool(host="16MiB", cxl="16MiB") as pool:
+      p = jcxl.place(params, "cxl", pool=pool)
+      s = jcxl.place(tx.init(params), "cxl", pool=pool)
+      fillers = [pool.allocate((pool.stats()["cxl"].free,), np.uint8,
+                               "cxl")]
+      for leaf in jax.tree.leaves(params):  # and the slabs' free slots
+        while True:
+          try:
+            fillers.append(pool.allocate(leaf.shape, leaf.dtype, "cxl"))
+          except jcxl.PoolExhaustedError:
+            break
+      step = jcxl.cxl_offload(make_step(loss_fn, tx), update="auto")
+      for x in data:
+        p, s, loss = step(p, s, x)
+      assert {l.update for l in step.plan.layers} == {"device"}
+      assert "no room for the host update's gradients" in str(step.plan)
+      np.testing.assert_array_equal(loss, ref_loss)
+      assert_close(jcxl.gather(p), ref_p, rtol=0)
+      for h in fillers:
+        pool.free(h)
+
   def test_auto_measures_without_room_in_the_pool(self):
     # The host tier has less than the 64 MiB the host update's rate is
     # measured on: nothing of it is needed, nothing is left in it.

@@ -20,6 +20,7 @@ from jcxl._src import call_args
 from jcxl._src import registry
 from jcxl._src import shardings as shardings_lib
 from jcxl._src.dap import costmodel
+from jcxl._src.errors import PoolExhaustedError
 from jcxl._src.offload import host_runs
 from jcxl._src.offload import host_update
 from jcxl._src.offload import scan_casts
@@ -275,7 +276,17 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
   weight_copies.find(program, chosen, resident, returned_keys)
   for node in chosen:
     if bind is not None:
-      bind.bind(node, program)
+      try:
+        bind.bind(node, program)
+      except PoolExhaustedError:
+        if update != "auto":
+          raise
+        # No room for its gradients' objects: 'auto' runs where 'device'
+        # does.
+        a = analyze(args, prep, timed, "device", None, refetch)
+        return dataclasses.replace(a, update_paths={
+            layer: "device: the pool has no room for the host update's "
+                   "gradients" for layer in a.update_paths})
     else:
       node.staging = {k: host_runs.virtual_staging(node, k)
                       for k in node.grads}
