@@ -4,9 +4,11 @@ next compile on a thread of their own (`CompileAhead`).
 
 In a multi-process run whose step spans processes, each process's tuner
 decides only from values every process agreed (see dap.agreement): a
-plan compiled ahead is used once every process has compiled it, and each
-step's measurement, compile and wait is exchanged at the step's end.
-Every process then switches plans at the same step.
+plan compiled ahead is used once every process has compiled it, and a
+step's measurement, compile and wait are exchanged at the step's end
+(where the tuner may measure it, or it waited for compiles; one exchange
+through JAX's coordination service, about a millisecond or a few). Every
+process then switches plans at the same step.
 """
 
 from __future__ import annotations
@@ -119,13 +121,19 @@ class DapScheduler:
   def step_done(self, profile: StepProfile | None,
                 waited_for: Sequence[Any]) -> None:
     compiling_s = self.ahead.compiling_s() if waited_for else 0.0
-    if self.agreement is not None:
+    # Exchanged only where it can matter, which every process knows alike:
+    # a step whose measurement the tuner may take, or one that waited for
+    # plans to compile (until every process has them). A settled plan's
+    # steps mostly go without.
+    agree = self.agreement is not None and (
+        bool(waited_for) or self.tuner.measurement_due)
+    if agree:
       profile, compiling_s = self._agree_step(profile, compiling_s)
     if waited_for:
       self.tuner.waited(waited_for, compiling_s)
     else:
       self.tuner.step_done(profile)
-    if self.agreement is not None:
+    if agree:
       self._take_agreed_compiles()
 
   def _agree_step(self, profile: StepProfile | None, compiling_s: float

@@ -422,6 +422,14 @@ class Tuner:
       return False
     return wanted
 
+  @property
+  def measurement_due(self) -> bool:
+    """Whether the tuner's state asks for the next step to be measured,
+    before `wants_measurement` defers it for a step that follows another
+    program's: a function of what the tuner decided alone (its peers in
+    a multi-process run agree it, see dap.scheduler)."""
+    return self._wanted()
+
   def _wanted(self) -> bool:
     if self._phase is Phase.WARMUP:
       return self._steps >= self.options.warmup_steps
