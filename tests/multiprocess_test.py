@@ -6,6 +6,7 @@ dies, fails, or configures its pool differently."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import pytest
 
 from experiments import common as exp_common
 from jcxl._src import distributed
+from jcxl._src import errors as jcxl_errors
 from tests import multiprocess_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -408,6 +410,42 @@ class DifferencesTest:
         pass
       with pytest.raises(ZeroDivisionError), distributed.fail_together():
         1 / 0  # pylint: disable=pointless-statement
+
+
+class AgreedValuesTest:
+  """What DAP's tuners decide from in a multi-process run (dap.agreement):
+  the slowest process's times, process 0's measured step."""
+
+  def test_a_measured_step_is_process_0s_at_the_slowest_step_time(self):
+    from jcxl._src.dap import agreement  # pylint: disable=g-import-not-at-top
+    from jcxl._src.dap import profile  # pylint: disable=g-import-not-at-top
+    mine = profile.StepProfile(
+        0.010, (profile.LayerProfile("a", 4, 0, 1e-3, 0.0, 2e-3, 1),),
+        (2e-3,), {"cxl": 4}, {"cxl": 4e3})
+    theirs = dataclasses.replace(mine, step_s=0.012, bytes_by_tier={})
+    values = [agreement.encode_profile(p) for p in (mine, theirs)]
+    values = json.loads(json.dumps(values))  # as exchanged
+    assert agreement.agreed_profile(values) == dataclasses.replace(
+        mine, step_s=0.012)
+    assert agreement.agreed_profile([None, values[1]]) is None
+
+  def test_estimates_take_the_slowest_and_refuse_other_steps(self):
+    from jcxl._src.dap import agreement  # pylint: disable=g-import-not-at-top
+    from jcxl._src.dap import costmodel  # pylint: disable=g-import-not-at-top
+    segments = [costmodel.Segment("a", 8, "cxl", 1e-3),
+                costmodel.Segment("b", 8, "cxl", 3e-3)]
+    links = {"cxl": costmodel.Link(10e9, 1e-6)}
+    slower = ([dataclasses.replace(segments[0], compute_s=2e-3),
+               segments[1]], {"cxl": costmodel.Link(8e9, 2e-6)})
+    values = [agreement.encode_estimates(segments, links),
+              agreement.encode_estimates(*slower)]
+    got = agreement.agreed_estimates(segments, links, values)
+    assert [s.compute_s for s in got[0]] == [2e-3, 3e-3]
+    assert got[1] == {"cxl": costmodel.Link(8e9, 2e-6)}
+    other = agreement.encode_estimates(segments[:1], links)
+    with pytest.raises(jcxl_errors.StepMismatchError,
+                       match="the processes traced different steps"):
+      agreement.agreed_estimates(segments, links, [values[0], other])
 
 
 class ClusterFlagsTest:
