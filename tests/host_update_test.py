@@ -496,6 +496,28 @@ class NothingSilentlyWrongTest:
     np.testing.assert_allclose(losses[-1], ref_loss, rtol=1e-6)
     assert_close(p, ref_p)
 
+  def test_state_made_in_the_fast_tier_by_reads(self):
+    # docs/scale.md's recipe, with a host tier smaller than a link probe.
+    params, loss_fn = mlp(scan=False)
+    tx = optax.adamw(1e-2)
+    data = batches(2)
+    ref = jax.jit(make_step(loss_fn, tx))
+    ref_p, ref_s = params, tx.init(params)
+    for x in data:
+      ref_p, ref_s, ref_loss = ref(ref_p, ref_s, x)
+    with jcxl.Pool(host="4MiB", cxl="64MiB") as pool:
+      shapes = jax.eval_shape(lambda: params)
+      param_kinds, opt_kinds = jcxl.tiers_by_reads(
+          [(shapes, 3), (jax.eval_shape(tx.init, shapes), 1)], pool)
+      p = jcxl.init_in_pool(lambda: params, pool=pool, kinds=param_kinds)
+      s = jcxl.init_in_pool(tx.init, p, pool=pool, kinds=opt_kinds)
+      assert pool.stats()["host"].live > 0
+      step = jcxl.cxl_offload(make_step(loss_fn, tx))
+      for x in data:
+        p, s, loss = step(p, s, x)
+      np.testing.assert_array_equal(loss, ref_loss)
+      assert_close(jcxl.gather(p), ref_p, rtol=0)
+
 
 class WithOtherPartsTest:
 
