@@ -3,9 +3,9 @@
 Each case trains a tiny model (two small layers) for `STEPS` steps with
 one optax transformation under ``cxl_offload(update=...)`` and compares
 its losses and final state with the same step under ``jax.jit``: bit for
-bit with ``update='device'``, within `RTOL` of each leaf's scale where the
-host update runs (it computes what the jaxpr says, XLA rewrites some of
-it). With ``update='host'`` a transformation the host cannot run is
+bit where every layer's update runs on the device (but for
+`DEVICE_ROUNDING`), within `RTOL` of each leaf's scale where the host
+update runs (it computes what the jaxpr says, XLA rewrites some of it). With ``update='host'`` a transformation the host cannot run is
 refused, naming the leaf and the transformation; ``update='auto'`` runs it
 on the device. Nothing may come out silently different.
 
