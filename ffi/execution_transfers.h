@@ -73,6 +73,8 @@ class ExecutionTransfers {
   };
   // Runs that failed are remembered, the last kMaxFailedRuns of them, so a
   // start racing its execution's failure on another thread is refused.
+  // (JAX's run ids are a per-executable base plus a call counter: another
+  // execution meets a remembered id only by a 32-bit coincidence.)
   static constexpr size_t kMaxFailedRuns = 4096;
 
   std::mutex mu_;
