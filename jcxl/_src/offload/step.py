@@ -249,15 +249,15 @@ class OffloadedStep:
     its scheduler decide with them from then on."""
     if self._peers_checked:
       return
-    self._peers_checked = True
     leaves = jax.tree_util.tree_leaves(bound.args, is_leaf=is_pool_array)
     devices = {d for x in leaves if isinstance(x, (PoolArray, jax.Array))
                for d in x.sharding.device_set}
-    if not distributed.spans_processes(devices):
-      return
-    agreement = distributed.Agreement(f"the offloaded step '{self._name}'")
-    distributed.check_steps_agree(agreement, self._settings(bound))
-    self._scheduler.agreement = agreement
+    if distributed.spans_processes(devices):
+      agreement = distributed.Agreement(f"the offloaded step '{self._name}'")
+      # Raises in every process alike; a call after that checks again.
+      distributed.check_steps_agree(agreement, self._settings(bound))
+      self._scheduler.agreement = agreement
+    self._peers_checked = True
 
   def _settings(self, bound: call_args.BoundCall) -> dict[str, Any]:
     """What must be the same in every process for the step to compile the
