@@ -43,8 +43,9 @@ class ExecutionTransfers {
 
   // Files `ticket`, a copy into or out of `buffer` that execution `run`
   // started. If `run` failed already, the copy is stopped (see Stop) and
-  // kInternal names the run: the caller fails too. A copy still filed at `buffer` (an execution that failed for
-  // a reason jcxl never saw left it) is cancelled and waited for first.
+  // kInternal names the run: the caller fails too. A copy still filed at
+  // `buffer` (an execution that failed for a reason jcxl never saw left it)
+  // is stopped first.
   Status Add(int64_t run, const void* buffer, std::shared_ptr<Ticket> ticket);
 
   // Takes out the copy filed for `buffer`; null if there is none.

@@ -114,7 +114,8 @@ ffi::Error Wait(const char* handler, int64_t run, const void* address,
 ffi::Error File(const char* handler, int64_t run, const void* address,
                 StatusOr<std::shared_ptr<Ticket>> ticket) {
   if (!ticket.ok()) return Fail(handler, ticket.status());
-  Status filed = ExecutionTransfers::Get().Add(run, address, std::move(*ticket));
+  Status filed =
+      ExecutionTransfers::Get().Add(run, address, std::move(*ticket));
   if (!filed.ok()) return Fail(handler, filed);
   return ffi::Error::Success();
 }
@@ -139,7 +140,8 @@ ffi::Error FetchStart(int64_t run, ffi::Buffer<ffi::S32> handle,
   if (target.has_error()) return target.error();
   AdviseHugePages(out->untyped_data(), out->size_bytes());
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Read(
-      handle.typed_data()[0], out->untyped_data(), out->size_bytes(), target->offset,
+      handle.typed_data()[0], out->untyped_data(), out->size_bytes(),
+      target->offset,
       priority, static_cast<uint64_t>(chunk_bytes));
   return File("jcxl_fetch_start", run, out->untyped_data(),
               std::move(ticket));
@@ -196,7 +198,8 @@ ffi::Error StoreStart(int64_t run, ffi::Buffer<ffi::S32> handle,
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
   }
   StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Write(
-      handle.typed_data()[0], out->untyped_data(), out->size_bytes(), target->offset,
+      handle.typed_data()[0], out->untyped_data(), out->size_bytes(),
+      target->offset,
       priority, static_cast<uint64_t>(chunk_bytes));
   return File("jcxl_store_start", run, out->untyped_data(),
               std::move(ticket));
@@ -258,22 +261,27 @@ std::unordered_map<int32_t, WaitTotals> DrainWaitTotals() {
   return out;
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStart, FetchStartImpl,
-                              FetchStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kFetchStart, FetchStartImpl,
+    FetchStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchStartInto, FetchStartIntoImpl,
-                              FetchStartIntoSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kFetchStartInto, FetchStartIntoImpl,
+    FetchStartIntoSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kFetchDone, FetchDoneImpl,
-                              FetchDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kFetchDone, FetchDoneImpl,
+    FetchDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAfter, AfterImpl,
                               AfterSignature(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreStart, StoreStartImpl,
-                              StoreStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kStoreStart, StoreStartImpl,
+    StoreStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kStoreDone, StoreDoneImpl,
-                              StoreDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kStoreDone, StoreDoneImpl,
+    StoreDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 }  // namespace jcxl

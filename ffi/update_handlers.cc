@@ -138,10 +138,12 @@ ffi::Error WaitUpdateRun(const char* handler, uint64_t id,
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kUpdateStart, UpdateStartImpl,
-                              UpdateStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kUpdateStart, UpdateStartImpl,
+    UpdateStartSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kUpdateDone, UpdateDoneImpl,
-                              UpdateDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kUpdateDone, UpdateDoneImpl,
+    UpdateDoneSignature(ffi::Ffi::Bind().Ctx<ffi::RunId>()));
 
 }  // namespace jcxl

@@ -209,8 +209,9 @@ class RandomFailureTest:
                             schedule="fixed:2", update=update)
 
     def reset():  # the state back to the reference's, in place
+      is_array = lambda x: isinstance(x, jcxl.PoolArray)
       for leaf, value in zip(
-          jax.tree_util.tree_leaves((p, o), is_leaf=lambda x: isinstance(x, jcxl.PoolArray)),
+          jax.tree_util.tree_leaves((p, o), is_leaf=is_array),
           jax.tree_util.tree_leaves((ref_p, ref_o))):
         (_, handle), = leaf.local_handles
         pool.put_async(handle, np.asarray(value)).wait()
