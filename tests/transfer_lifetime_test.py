@@ -195,6 +195,25 @@ class ExitTest:
             "exit") in result.stderr, result.stderr[-3000:]
 
 
+  def test_results_deleted_or_donated_by_the_user(self):
+    # A deleted array is never asked whether it is ready (jax 0.10 crashes
+    # on one deleted by `delete()`).
+    result = run_python("""
+    pool = slow_pool()
+    p = jcxl.place(init(), "cxl", pool=pool)
+    o = jcxl.place(tx.init(init()), "cxl", pool=pool)
+    step = jcxl.cxl_offload(step_fn, device_budget="16MiB",
+                            schedule="fixed:1")
+    p, o, loss = step(p, o, X)
+    bumped = jax.jit(lambda l: l + 1, donate_argnums=0)(loss)
+    assert loss.is_deleted()
+    p, o, loss = step(p, o, X)
+    loss.delete()
+    p, o, loss = step(p, o, X)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 class RandomFailureTest:
 
   @pytest.mark.parametrize("update", ["device", "host"])

@@ -40,19 +40,23 @@ def find_pool(pool_id: int, *, what: str = "a PoolArray") -> Pool:
 
 
 def _running(results: list[Any]) -> bool:
+  """Whether the step that makes `results` still runs (a failed one is
+  over: its arrays are ready, holding its error)."""
   for x in results:
     try:
-      if not x.is_ready():
+      # Deleted (donated to a later step, which is listed itself): asked
+      # is_ready(), jax 0.10 crashes.
+      if not x.is_deleted() and not x.is_ready():
         return True
     except Exception:  # pylint: disable=broad-except
-      pass  # deleted (donated to a later step, which is listed itself)
+      pass  # not a live array any more: nothing of it runs
   return False
 
 
 def _arrays(results: Any) -> list[Any]:
   import jax  # pylint: disable=g-import-not-at-top
   return [x for x in jax.tree_util.tree_leaves(results)
-          if hasattr(x, "is_ready")]
+          if isinstance(x, jax.Array)]
 
 
 def step_dispatched(results: Any) -> None:
