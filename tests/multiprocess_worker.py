@@ -34,6 +34,9 @@ class TrainOptions:
   # check of a settled plan looks off (see tune_hard).
   tune_hard: bool = False
   raise_at: int | None = None  # raise RuntimeError before this step
+  # Every this many steps the batch switches between BATCH and BATCH / 2
+  # rows (a new call signature, compiled anew); None: always BATCH.
+  halve_every: int | None = None
 
 
 def local_rows(process: int) -> "np.ndarray":
@@ -58,10 +61,11 @@ def mlp_loss(params, x):
   return jnp.mean((h - 0.5) ** 2)
 
 
-def mlp_batch(step: int) -> "np.ndarray":
+def mlp_batch(step: int, halve_every: int | None = None) -> "np.ndarray":
   import numpy as np  # pylint: disable=g-import-not-at-top
+  rows = BATCH // 2 if halve_every and (step // halve_every) % 2 else BATCH
   return np.random.default_rng(1000 + step).normal(
-      size=(BATCH, DIM)).astype(np.float32)
+      size=(rows, DIM)).astype(np.float32)
 
 
 def mlp_step(tx):
@@ -117,8 +121,9 @@ def train(process: int, options: TrainOptions) -> dict:
       for i in range(options.steps):
         if options.raise_at == i:
           raise RuntimeError(f"process {process} fails before step {i}")
-        x = jax.make_array_from_callback((BATCH, DIM), replicated,
-                                         lambda j, i=i: mlp_batch(i)[j])
+        batch = mlp_batch(i, options.halve_every)
+        x = jax.make_array_from_callback(batch.shape, replicated,
+                                         lambda j, b=batch: b[j])
         params, opt_state, loss = step(params, opt_state, x)
         result["losses"].append(float(loss.addressable_data(0)))
         result["plans"].append([l.prefetch for l in step.plan.layers])

@@ -46,6 +46,10 @@ class DapScheduler:
     self._held: dict[schedule_lib.LayerSchedule, tuple[Any, Any]] = {}
     self._agreed: list[tuple[Any, schedule_lib.LayerSchedule, Any]] = []
     self._peers: list[Any] | None = None  # the last step's exchange
+    # Call signatures by first call: the same numbers in every process
+    # (its own signature holds its own handles), naming what a plan was
+    # compiled for in an exchange.
+    self._signatures: dict[Any, int] = {}
     self._steps = 0  # steps agreed: names the exchange in its errors
 
   @property
@@ -107,6 +111,7 @@ class DapScheduler:
   def compiling(self, signature: Any, args: Any,
                 is_compiled: Callable[[int], bool]) -> list[Any]:
     version_of = self.tuner.version_of
+    self._signatures.setdefault(signature, len(self._signatures))
     if self.agreement is None:
       return self.ahead.missing(signature, args,
                                 lambda s: is_compiled(version_of(s)))
@@ -141,11 +146,11 @@ class DapScheduler:
     """Exchanges this step's measurement and the plans compiled here;
     returns the agreed measurement and compile time in progress."""
     ready, failed = {}, {}
-    for schedule, (_, result) in self._held.items():
+    for schedule, (signature, result) in self._held.items():
       if isinstance(result, Exception):
         failed[agreement_lib.plan_key(schedule)] = repr(result)
       else:
-        ready[agreement_lib.plan_key(schedule)] = list(result[1:])
+        ready[self._ready_key(schedule, signature)] = list(result[1:])
     values = self.agreement.exchange(
         {"profile": agreement_lib.encode_profile(profile),
          "compiling_s": compiling_s, "ready": ready, "failed": failed},
@@ -155,25 +160,34 @@ class DapScheduler:
     return (agreement_lib.agreed_profile([v["profile"] for v in values]),
             max(v["compiling_s"] for v in values))
 
+  def _ready_key(self, schedule: schedule_lib.LayerSchedule,
+                 signature: Any) -> str:
+    """A plan compiled for a call signature, named alike in every
+    process."""
+    number = self._signatures.setdefault(signature, len(self._signatures))
+    return f"{agreement_lib.plan_key(schedule)}/{number}"
+
   def _take_agreed_compiles(self) -> None:
     """Tells the tuner of the plans every process has compiled (or one
     failed to), in the order of their keys: each process's tuner takes the
     same compiles at the same step."""
     values, self._peers = self._peers, None
-    held = {agreement_lib.plan_key(s): s for s in self._held}
+    held = {self._ready_key(s, signature): s
+            for s, (signature, _) in self._held.items()}
     upcoming = {agreement_lib.plan_key(s): s for s in self.tuner.upcoming()}
     failed = {}
     for v in values:
       for key, why in v["failed"].items():
         failed.setdefault(key, why)
     for key in sorted(failed):
-      if key in held:
-        del self._held[held[key]]
+      for s in [s for s in self._held if agreement_lib.plan_key(s) == key]:
+        del self._held[s]
       if key in upcoming:  # the same in every process
         self.tuner.give_up([upcoming[key]],
                            f"its compile failed: {failed[key]}")
     everywhere = set.intersection(*(set(v["ready"]) for v in values))
-    for key in sorted(everywhere - set(failed)):
+    for key in sorted(k for k in everywhere
+                      if k.split("/")[0] not in failed):
       schedule = held[key]  # ready here too
       signature, (entry, _, _) = self._held.pop(schedule)
       need = max(v["ready"][key][0] for v in values)
