@@ -101,3 +101,14 @@ class ThreadsTest:
         step(*state, X)[2] for _ in range(STEPS)))
     pool.close()  # the thread's steps ran to their end first
     assert all(np.isfinite(float(loss)) for loss in losses)
+
+  def test_gather_after_the_caller_deleted_a_result(self):
+    # A result deleted (or donated) by the caller says nothing of the step:
+    # the wait for the step goes by its other outputs.
+    with jcxl.Pool(host=64 << 20, cxl=64 << 20) as pool:
+      step, state = _setup(pool, "device")
+      p, s, loss = step(*state, X)
+      loss.delete()
+      got = jcxl.gather(p)
+    np.testing.assert_array_equal(np.asarray(got["l0"]["w"]),
+                                  np.full((DIM, DIM), _expected(1)))

@@ -515,7 +515,7 @@ def _close_at_exit(native: Any, swap: swap_dir_lib.SwapDir | None,
     if not native.closed:
       # A step dispatched last (no gather, no barrier) may still stream from
       # the pool: it finishes first.
-      registry.wait_for_steps(max(timeout_s, _EXIT_WAIT_S),
+      dispatched.wait_for_steps(max(timeout_s, _EXIT_WAIT_S),
                               f"pool {native.id} was closed at exit")
       native.close(timeout_s)
   except errors.JcxlError as e:

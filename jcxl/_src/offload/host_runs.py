@@ -15,7 +15,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jcxl._src import dispatched
 from jcxl._src import placement
+from jcxl._src import pool_array as pool_array_lib
 from jcxl._src import pool as pool_lib
 from jcxl._src import registry
 from jcxl._src import update_program as up
@@ -105,7 +107,7 @@ class HostUpdates:
   def dispatched(self, results: Any) -> None:
     """Notes a call of the step, by its results: the objects outlive it."""
     self._running[:] = [r for r in self._running
-                        if not registry.wait_for_results(r, 0)]
+                        if not dispatched.wait_for_results(r, 0)]
     self._running.append(results)
 
   def bind(self, node: HostUpdateNode, program: Program) -> None:
@@ -164,11 +166,11 @@ def _make(pool: Any, node: HostUpdateNode, program: Program
 def _copy(pool: Any, c: Any) -> PoolArray:
   """A copy the pool keeps of master weight `c.target`, in `c.dtype`."""
   t = c.target
-  return placement.store_shards(
+  return _handles_baked(placement.store_shards(
       None, pool=pool, tier=t.tier, sharding=t.sharding, shape=t.shape,
       dtype=c.dtype, path=f"{t.path} ({c.dtype} copy)",
       make_object=lambda device: pool.allocate_copy(
-          t.local_handles[0][1], c.dtype))
+          t.local_handles[0][1], c.dtype)))
 
 
 def _staging(pool: Any, node: HostUpdateNode, key: Any) -> PoolArray:
@@ -180,12 +182,27 @@ def _staging(pool: Any, node: HostUpdateNode, key: Any) -> PoolArray:
   if tier == Tier.NVME:
     tier = Tier.HOST if pool.stats()[Tier.HOST].enabled else Tier.CXL
   aval = key[1].aval
-  return placement.store_shards(
+  # One device's shard (the whole array but where it spans processes).
+  shard = tuple(target.sharding.shard_shape(tuple(aval.shape)))
+  return _handles_baked(placement.store_shards(
       None, pool=pool, tier=tier, sharding=target.sharding,
       shape=tuple(aval.shape), dtype=aval.dtype,
       path=f"{target.path} (gradient)",
-      make_object=lambda device: pool.allocate(aval.shape, aval.dtype,
-                                               tier))
+      make_object=lambda device: pool.allocate(shard, aval.dtype, tier)))
+
+
+def _handles_baked(x: PoolArray) -> PoolArray:
+  """`x` with its handles as this process's constant where it spans
+  processes: the step closes over them (they are no argument of its),
+  and JAX closes over no array it does not hold whole. Other processes'
+  positions hold -1: only this process's devices read theirs."""
+  if x.handles.is_fully_addressable:
+    return x
+  local = dict(x.local_handles)
+  grid, _ = pool_array_lib.device_grid(x.sharding)
+  x.handles = np.array([local.get(d.id, -1) for d in grid.flat],
+                       np.int32).reshape(grid.shape)
+  return x
 
 
 def virtual_staging(node: HostUpdateNode, key: Any) -> PoolArray:
@@ -214,7 +231,7 @@ _RELEASE_WAIT_S = 300.0
 
 
 def _release(made: dict, running: list[Any]) -> None:
-  if made and not registry.wait_for_results(running, _RELEASE_WAIT_S):
+  if made and not dispatched.wait_for_results(running, _RELEASE_WAIT_S):
     logger.warning("jcxl: a dropped step's call still ran after %g s; "
                    "its host updates' objects are freed under it",
                    _RELEASE_WAIT_S)

@@ -341,10 +341,9 @@ class OffloadedStep:
     dispatched.wait_for_others(handles)  # a step of another thread first
     self._last_results = entry.executable(*(flat_args[i]
                                             for i in entry.passed))
+    # Pool objects the call uses outlive it: what reads, frees or closes
+    # them (from any thread, at exit too) waits for it.
     dispatched.note(self._last_results, handles)
-    # Pool objects the call uses outlive it: what exit closes, and what
-    # dropping the step frees, waits for it.
-    registry.step_dispatched(self._last_results)
     self._host_updates.dispatched(self._last_results)
     if measure:
       jax.block_until_ready(self._last_results)
