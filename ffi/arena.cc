@@ -100,22 +100,44 @@ std::string MemoryArena::Describe() const {
 
 StatusOr<std::unique_ptr<FileArena>> FileArena::Create(const std::string& path,
                                                        bool keep_file) {
-  const int flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
-  int fd = open(path.c_str(), flags | O_DIRECT, 0600);
+  // The directory is opened once, never through a symbolic link, and the
+  // file is made and later removed relative to it: a directory swapped for
+  // a link meanwhile (by someone who can write its parent) is never
+  // followed, neither here nor at removal.
+  const size_t slash = path.rfind('/');
+  const std::string dir =
+      slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const std::string name =
+      slash == std::string::npos ? path : path.substr(slash + 1);
+  const int dir_fd =
+      open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir_fd < 0) {
+    return ErrnoStatus("cannot open the directory of nvme file " + path +
+                           " (a symbolic link is refused)",
+                       errno);
+  }
+  const int flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW;
+  int fd = openat(dir_fd, name.c_str(), flags | O_DIRECT, 0600);
   bool direct = true;
   if (fd < 0 && errno == EINVAL) {  // e.g. tmpfs: no O_DIRECT
-    fd = open(path.c_str(), flags, 0600);
+    fd = openat(dir_fd, name.c_str(), flags, 0600);
     direct = false;
   }
-  if (fd < 0) return ErrnoStatus("cannot create nvme file " + path, errno);
+  if (fd < 0) {
+    const int error = errno;
+    close(dir_fd);
+    return ErrnoStatus("cannot create nvme file " + path, error);
+  }
   struct stat st;
   if (fstat(fd, &st) != 0) {
     const int error = errno;
     close(fd);
-    unlink(path.c_str());
+    unlinkat(dir_fd, name.c_str(), 0);
+    close(dir_fd);
     return ErrnoStatus("cannot stat nvme file " + path, error);
   }
-  std::unique_ptr<FileArena> arena(new FileArena(fd, path, direct, keep_file));
+  std::unique_ptr<FileArena> arena(
+      new FileArena(fd, dir_fd, name, path, direct, keep_file));
   arena->dev_ = st.st_dev;
   arena->ino_ = st.st_ino;
   return arena;
@@ -126,10 +148,12 @@ FileArena::~FileArena() {
   // Only the file this arena made: if it was removed or replaced meanwhile
   // (or a link put in its place), whatever is at the path now is not ours.
   struct stat st;
-  if (!keep_ && lstat(path_.c_str(), &st) == 0 && st.st_dev == dev_ &&
-      st.st_ino == ino_) {
-    unlink(path_.c_str());
+  if (!keep_ &&
+      fstatat(dir_fd_, name_.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      st.st_dev == dev_ && st.st_ino == ino_) {
+    unlinkat(dir_fd_, name_.c_str(), 0);
   }
+  close(dir_fd_);
 }
 
 void FileArena::CheckSize() {

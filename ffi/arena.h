@@ -101,8 +101,14 @@ class FileArena : public Arena {
   uint64_t lost_bytes() const;
 
  private:
-  FileArena(int fd, std::string path, bool direct, bool keep)
-      : fd_(fd), path_(std::move(path)), direct_io_(direct), keep_(keep) {}
+  FileArena(int fd, int dir_fd, std::string name, std::string path,
+            bool direct, bool keep)
+      : fd_(fd),
+        dir_fd_(dir_fd),
+        name_(std::move(name)),
+        path_(std::move(path)),
+        direct_io_(direct),
+        keep_(keep) {}
   Status ReadBlocks(uint64_t offset, char* dst, uint64_t bytes);
   Status WriteBlocks(uint64_t offset, const char* src, uint64_t bytes);
   Status WriteRange(uint64_t offset, const void* src, uint64_t bytes,
@@ -118,6 +124,8 @@ class FileArena : public Arena {
   void ForgetLost(uint64_t begin, uint64_t end);
 
   int fd_;
+  int dir_fd_;        // the file's directory, opened without following links
+  std::string name_;  // the file's name in it
   std::string path_;
   bool direct_io_;
   bool keep_;

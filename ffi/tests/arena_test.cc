@@ -429,6 +429,40 @@ TEST(FileArenaRefusesAnExistingLink) {
   CHECK(S_ISLNK(st.st_mode));
 }
 
+// The file's directory is opened once without following a link, and the
+// file made and removed relative to it: a directory swapped for a link
+// (before the arena is made, or while it lives) is never followed.
+TEST(FileArenaNeverFollowsASwappedDirectory) {
+  TempDir dir(BuildDir());
+  CHECK(dir.ok());
+  const std::string elsewhere = dir.path() + "/elsewhere";
+  const std::string pool_dir = dir.path() + "/pool";
+  CHECK_EQ(mkdir(elsewhere.c_str(), 0700), 0);
+  CHECK_EQ(symlink(elsewhere.c_str(), pool_dir.c_str()), 0);
+  StatusOr<std::unique_ptr<FileArena>> refused =
+      FileArena::Create(pool_dir + "/tier.swap", false);
+  CHECK_CODE(refused, Code::kIo);
+  CHECK_CONTAINS(refused.status().message(), "symbolic link");
+  CHECK(!Exists(elsewhere + "/tier.swap"));
+
+  CHECK_EQ(unlink(pool_dir.c_str()), 0);
+  CHECK_EQ(mkdir(pool_dir.c_str(), 0700), 0);
+  {
+    std::unique_ptr<FileArena> arena =
+        NewFileArena(pool_dir + "/tier.swap", /*keep=*/false);
+    // Swapped while the arena lives: the pool's directory moves away and a
+    // link to another one, holding a file of that name, takes its place.
+    const std::string moved = dir.path() + "/moved";
+    CHECK_EQ(rename(pool_dir.c_str(), moved.c_str()), 0);
+    CHECK_EQ(symlink(elsewhere.c_str(), pool_dir.c_str()), 0);
+    FILE* file = std::fopen((elsewhere + "/tier.swap").c_str(), "w");
+    CHECK(file != nullptr);
+    std::fclose(file);
+  }
+  CHECK(Exists(elsewhere + "/tier.swap"));  // not ours: left alone
+  CHECK(!Exists(dir.path() + "/moved/tier.swap"));  // ours: removed
+}
+
 TEST(FileArenaInMissingDirectoryFails) {
   StatusOr<std::unique_ptr<FileArena>> arena =
       FileArena::Create("./no/such/dir/arena", false);
