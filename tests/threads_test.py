@@ -112,3 +112,12 @@ class ThreadsTest:
       got = jcxl.gather(p)
     np.testing.assert_array_equal(np.asarray(got["l0"]["w"]),
                                   np.full((DIM, DIM), _expected(1)))
+
+  def test_save_after_a_loop_in_a_worker_thread(self, tmp_path):
+    with jcxl.Pool(host=64 << 20, cxl=64 << 20) as pool:
+      step, state = _setup(pool, "device")
+      _in_thread(_loop, step, state, X, STEPS)
+      jcxl.checkpoint.save(tmp_path / "ckpt", state[0])
+      restored = jcxl.checkpoint.restore(tmp_path / "ckpt")
+    np.testing.assert_array_equal(np.asarray(restored["l0"]["w"]),
+                                  np.full((DIM, DIM), _expected(STEPS)))

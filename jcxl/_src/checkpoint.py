@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jcxl._src import checkpoint_checksums as checksums
+from jcxl._src import dispatched
 from jcxl._src import errors
 from jcxl._src import orbax_compat
 from jcxl._src import registry
@@ -426,7 +427,7 @@ def save(path: str | os.PathLike, tree: Any, *,
   if any(_is_pool_array(x) for x in leaves):
     registry.find_pool(next(x for x in leaves if _is_pool_array(x)).pool_id,
                        what="save()")
-    jax.effects_barrier()  # the stores of steps already dispatched
+    dispatched.barrier()  # the stores of steps already dispatched, any thread
   item = jax.tree.map(lambda x: _PoolLeaf(x) if _is_pool_array(x) else x,
                       tree, is_leaf=_is_pool_array)
   _check_unique_names(item)
@@ -809,7 +810,7 @@ def restore_into(path: str | os.PathLike, tree: Any) -> Any:
   """
   if any(_is_pool_array(x) for x in jax.tree.leaves(
       tree, is_leaf=_is_pool_array)):
-    jax.effects_barrier()  # steps already dispatched still use the objects
+    dispatched.barrier()  # steps already dispatched (any thread) use them
   return _restore(path, tree, pool=None, tier=None, sharding=None,
                   in_place=True)
 
