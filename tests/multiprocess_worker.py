@@ -129,6 +129,16 @@ def train(process: int, options: TrainOptions) -> dict:
         result["plans"].append([l.prefetch for l in step.plan.layers])
     except ValueError as e:  # StepMismatchError is one
       result["error"] = f"{type(e).__name__}: {e}"
+    if step.plan is not None:
+      result["updates"] = sorted({l.update for l in step.plan.layers})
+      result["plan"] = str(step.plan)
+    # This process's shards of the trained weights and moments.
+    result["state"] = {
+        jax.tree_util.keystr(path): np.concatenate(
+            [np.asarray(s.data).ravel() for s in leaf.addressable_shards]
+        ).tolist()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            jcxl.gather((params, opt_state)))[0]}
     if step.tuner is not None:
       result["history"] = [[e.step, e.what] for e in step.tuner.history]
       result["versions"] = step.tuner.version

@@ -94,7 +94,9 @@ class HostUpdateNode(Node):
 
   @property
   def elements(self) -> int:
-    return next(iter(self.writes.values())).size
+    """Elements of the shard it updates: a process's only shard where
+    the state spans processes (one device each), else the whole array."""
+    return int(np.prod(next(iter(self.writes.values())).shard_shape))
 
   def link_bytes(self) -> int:
     """Bytes that cross the device link: the gradients out."""
@@ -220,6 +222,12 @@ def find(program: Program, resident: dict[Any, Any],
   for members in components:
     node, why = _make_node(program, g, members, pooled, stores, old_key,
                            key_paths, outputs)
+    if node is not None and update == "auto" and _spans_processes(node):
+      # Each process measures its own rates: they could choose apart,
+      # and compile different steps.
+      node, why = None, ("its state spans processes, where 'auto' would "
+                         "choose in each from its own measured rates "
+                         "(update='host' runs it on each one's shard)")
     if node is None:
       for key in _stored_by(program, members, stores):
         refused.setdefault(key, why)
@@ -335,6 +343,11 @@ def _components(program: Program, g: Uses, region: set[int],
   return sorted(groups.values(), key=min)
 
 
+def _spans_processes(node: HostUpdateNode) -> bool:
+  devices = next(iter(node.writes.values())).sharding.device_set
+  return len({d.process_index for d in devices}) > 1
+
+
 def _make_node(program: Program, g: Uses, members: set[int],
                pooled: dict[Any, PoolArray], stores: dict[Any, PoolArray],
                old_key: dict[int, Any], key_paths: dict[Any, str],
@@ -393,14 +406,15 @@ def _make_node(program: Program, g: Uses, members: set[int],
   targets = list(reads.values()) + list(writes.values())
   pools = {t.pool_id for t in targets}
   for t in targets:
-    # Counted over every process: a process holds only its own devices'
-    # handles, and its program would be sized for the whole array.
+    # One shard per process: each process's program updates its own (a
+    # call in the step runs once per device). Several in one process
+    # would each need a program of their own.
     devices = t.sharding.device_set
-    if len(devices) != 1:
-      processes = len({d.process_index for d in devices})
+    processes = len({d.process_index for d in devices})
+    if len(devices) != processes:
       return None, (f"its state is sharded over {len(devices)} devices"
                     + (f" of {processes} processes" if processes > 1 else "")
-                    + " (the host update runs unsharded state)")
+                    + " (the host update runs one shard per process)")
     if tuple(t.object_shard_shape) != tuple(t.shard_shape):
       return None, "its state is a view of a larger pool object"
     if str(t.dtype) not in _OBJECT_DTYPES:

@@ -21,6 +21,7 @@ import collections
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jcxl._src import jax_compat
 from jcxl._src import schedule as schedule_lib
@@ -233,8 +234,14 @@ class Interpreter:
         jax.numpy.asarray(self._read(k, i), jax.numpy.float32)
         for k in node.scalars]) if node.scalars else
                jax.numpy.zeros((0,), jax.numpy.float32))
-    self.updates_in_flight.append((node.pool_id, update_start(
-        node.pool_id, node.program_id, scalars, after=after)))
+    start = lambda s, a: update_start(node.pool_id, node.program_id, s,
+                                      after=a)
+    mesh = _process_mesh(node)
+    if mesh is not None:  # one run per device, each its process's shard
+      start = jax.shard_map(start, mesh=mesh, in_specs=(P(), P()),
+                            out_specs=P(mesh.axis_names), check_vma=False)
+    self.updates_in_flight.append((node.pool_id, mesh,
+                                   start(scalars, after)))
     return []
 
   def _issue_stores(self, i: int) -> None:
@@ -299,8 +306,12 @@ class Interpreter:
     while self.stores_in_flight:
       self._store_done()
     # The step ends once the pool holds its new state.
-    for pool_id, pending in self.updates_in_flight:
-      self.store_tokens.append(update_done(pending, pool_id=pool_id))
+    for pool_id, mesh, pending in self.updates_in_flight:
+      done = lambda t, pool_id=pool_id: update_done(t, pool_id=pool_id)
+      if mesh is not None:
+        done = jax.shard_map(done, mesh=mesh, in_specs=P(mesh.axis_names),
+                             out_specs=P(mesh.axis_names), check_vma=False)
+      self.store_tokens.append(done(pending))
 
   def tokens(self) -> list[jax.Array]:
     """The stores' tokens, stacked by shape and layout (a mesh's are
@@ -309,3 +320,13 @@ class Interpreter:
     for t in self.store_tokens:
       groups[(t.shape, str(getattr(t.aval, "sharding", None)))].append(t)
     return [jax.numpy.stack(g) for g in groups.values()]
+
+
+def _process_mesh(node: HostUpdateNode) -> jax.sharding.Mesh | None:
+  """The mesh of a host update's state where it spans processes (one
+  device each: see host_update), else None (one device: one run)."""
+  sharding = next(iter(node.writes.values())).sharding
+  devices = sharding.device_set
+  if len({d.process_index for d in devices}) < 2:
+    return None
+  return sharding.mesh
