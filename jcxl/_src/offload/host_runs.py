@@ -119,7 +119,9 @@ class HostUpdates:
     made = self._made.get(key)
     if made is None:
       made = self._made[key] = _make(pool, node, program)
-    staging, copies, node.program_id = made
+    staging, copies, programs = made
+    node.program_id = programs[0][1]
+    node.program_ids = programs if len(programs) > 1 or _spans(node) else ()
     node.staging = {k: staging[j] for j, k in enumerate(node.grads)}
     node.copies = [c for c in node.copies if c.source in copies]
     for c in node.copies:
@@ -140,10 +142,12 @@ def _key(node: HostUpdateNode, program: Program) -> Any:
 
 
 def _make(pool: Any, node: HostUpdateNode, program: Program
-          ) -> tuple[dict[int, PoolArray], dict[Any, PoolArray], int]:
+          ) -> tuple[dict[int, PoolArray], dict[Any, PoolArray],
+                     tuple[tuple[int, int], ...]]:
   """A host update's gradient objects, weight copies (by master key) and
-  registered program; everything made is freed if a part fails."""
-  staging, copies = {}, {}
+  registered programs, one per device of this process (device id,
+  program); everything made is freed if a part fails."""
+  staging, copies, programs = {}, {}, []
   try:
     for j, k in enumerate(node.grads):
       staging[j] = _staging(pool, node, k)
@@ -152,15 +156,26 @@ def _make(pool: Any, node: HostUpdateNode, program: Program
         c.copy = copies[c.source] = _copy(pool, c)
       except PoolExhaustedError:
         node.copies.remove(c)
-    program_id = pool.register_update(host_update.compile_program(
-        node, program, {k: staging[j].local_handles[0][1]
-                        for j, k in enumerate(node.grads)},
-        {k: x.local_handles[0][1] for k, x in copies.items()}))
+    for device, _ in next(iter(node.writes.values())).local_handles:
+      programs.append((device, pool.register_update(
+          host_update.compile_program(
+              node, program, {k: dict(staging[j].local_handles)[device]
+                              for j, k in enumerate(node.grads)},
+              {k: dict(x.local_handles)[device] for k, x in copies.items()},
+              device=device))))
   except BaseException:
+    for _, program_id in programs:
+      pool.release_update(program_id)
     for x in list(staging.values()) + list(copies.values()):
-      pool.free(x.local_handles[0][1])
+      for _, handle in x.local_handles:
+        pool.free(handle)
     raise
-  return staging, copies, program_id
+  return staging, copies, tuple(programs)
+
+
+def _spans(node: HostUpdateNode) -> bool:
+  devices = next(iter(node.writes.values())).sharding.device_set
+  return len({d.process_index for d in devices}) > 1
 
 
 def _copy(pool: Any, c: Any) -> PoolArray:
@@ -236,13 +251,15 @@ def _release(made: dict, running: list[Any]) -> None:
                    "its host updates' objects are freed under it",
                    _RELEASE_WAIT_S)
   running.clear()
-  for (pool_id, *_), (staging, copies, program_id) in made.items():
+  for (pool_id, *_), (staging, copies, programs) in made.items():
     pool = next((p for p in registry.open_pools() if p.id == pool_id), None)
     if pool is None:
       continue  # closed: its objects and programs went with it
-    pool.release_update(program_id)
+    for _, program_id in programs:
+      pool.release_update(program_id)
     for x in list(staging.values()) + list(copies.values()):
-      pool.free(x.local_handles[0][1])
+      for _, handle in x.local_handles:
+        pool.free(handle)
   made.clear()
 
 

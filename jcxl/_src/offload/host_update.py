@@ -84,6 +84,9 @@ class HostUpdateNode(Node):
   # Filled in by `HostUpdates.bind` once the gradients' objects exist.
   staging: dict[Any, PoolArray] = dataclasses.field(default_factory=dict)
   program_id: int = -1
+  # Where its state spans processes: (device id, program) per device of
+  # this process, each over that device's shards.
+  program_ids: tuple[tuple[int, int], ...] = ()
   pool_id: int = -1
   position: int = -1  # the program node it goes after (see _insert)
   region: list[Node] = dataclasses.field(default_factory=list)  # none on
@@ -406,15 +409,19 @@ def _make_node(program: Program, g: Uses, members: set[int],
   targets = list(reads.values()) + list(writes.values())
   pools = {t.pool_id for t in targets}
   for t in targets:
-    # One shard per process: each process's program updates its own (a
-    # call in the step runs once per device). Several in one process
-    # would each need a program of their own.
+    # Where it spans processes, each device's shards are updated by a
+    # program of their own (see interpreter): its leaves' shards must
+    # line up.
     devices = t.sharding.device_set
     processes = len({d.process_index for d in devices})
-    if len(devices) != processes:
-      return None, (f"its state is sharded over {len(devices)} devices"
-                    + (f" of {processes} processes" if processes > 1 else "")
-                    + " (the host update runs one shard per process)")
+    if len(devices) != 1 and processes == 1:
+      return None, (f"its state is sharded over {len(devices)} devices "
+                    "(the host update runs unsharded state, or state "
+                    "that spans processes)")
+    if processes > 1 and not t.sharding.is_equivalent_to(
+        targets[0].sharding, len(t.shape)):
+      return None, (f"its leaves are laid out differently ({path(t)} is "
+                    f"not as {path(targets[0])})")
     if tuple(t.object_shard_shape) != tuple(t.shard_shape):
       return None, "its state is a view of a larger pool object"
     if str(t.dtype) not in _OBJECT_DTYPES:
@@ -490,18 +497,20 @@ class _NotOnHost(ValueError):
 
 def compile_program(node: HostUpdateNode, program: Program,
                     grad_handles: dict[Any, int],
-                    copy_handles: dict[Any, int] | None = None
-                    ) -> up.Program:
+                    copy_handles: dict[Any, int] | None = None,
+                    device: int | None = None) -> up.Program:
   """The node's equations as a host program over its objects, the
   gradients read from the objects `grad_handles` names, and the new
   weights also written into the copies `copy_handles` names (by master
-  key; see weight_copies)."""
+  key; see weight_copies); over device `device`'s shards (by id), or
+  this process's first."""
   inputs: list[up.Input] = []
   reg: dict[Any, int] = {}
   scalar_regs: set[int] = set()
 
   def handle(x: PoolArray) -> int:
-    return x.local_handles[0][1]
+    return dict(x.local_handles)[device] if device is not None else (
+        x.local_handles[0][1])
 
   for key, x in node.reads.items():
     reg[key] = len(inputs)

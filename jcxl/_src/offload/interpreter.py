@@ -18,6 +18,7 @@ Everything else in the step is evaluated as traced.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 import jax
@@ -237,8 +238,9 @@ class Interpreter:
     start = lambda s, a: update_start(node.pool_id, node.program_id, s,
                                       after=a)
     mesh = _process_mesh(node)
-    if mesh is not None:  # one run per device, each its process's shard
-      start = jax.shard_map(start, mesh=mesh, in_specs=(P(), P()),
+    if mesh is not None:  # each device its own shards' run
+      start = jax.shard_map(functools.partial(_start_per_device, node, mesh),
+                            mesh=mesh, in_specs=(P(), P()),
                             out_specs=P(mesh.axis_names), check_vma=False)
     self.updates_in_flight.append((node.pool_id, mesh,
                                    start(scalars, after)))
@@ -322,9 +324,26 @@ class Interpreter:
     return [jax.numpy.stack(g) for g in groups.values()]
 
 
+def _start_per_device(node: HostUpdateNode, mesh: jax.sharding.Mesh,
+                      scalars: Any, after: Any) -> jax.Array:
+  """Inside shard_map: each device starts the run of its own shards'
+  program. Each process traces its own step: the branches of its devices
+  start theirs; the others' never run here."""
+  programs = dict(node.program_ids)
+
+  def branch(device):
+    if device.id not in programs:
+      return lambda s, a: jax.numpy.zeros((2,), jax.numpy.int32)
+    return lambda s, a: update_start(node.pool_id, programs[device.id], s,
+                                     after=a)
+  position = jax.lax.axis_index(mesh.axis_names)
+  return jax.lax.switch(position, [branch(d) for d in mesh.devices.flat],
+                        scalars, after)
+
+
 def _process_mesh(node: HostUpdateNode) -> jax.sharding.Mesh | None:
-  """The mesh of a host update's state where it spans processes (one
-  device each: see host_update), else None (one device: one run)."""
+  """The mesh of a host update's state where it spans processes (a run
+  per device, see _start_per_device), else None (one device: one run)."""
   sharding = next(iter(node.writes.values())).sharding
   devices = sharding.device_set
   if len({d.process_index for d in devices}) < 2:
