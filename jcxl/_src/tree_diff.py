@@ -72,3 +72,15 @@ def short(treedef: Any) -> str:
   """A PyTreeDef's text, cut to a line or two."""
   text = str(treedef)
   return text if len(text) <= _SHORT else text[:_SHORT] + "..."
+
+
+def leaf_paths(tree: Any) -> list[tuple[Any, ...]]:
+  """Each leaf's key path, with the type of every container on the way:
+  two trees' leaves with equal entries sit at the same place in containers
+  of the same kinds (a dict turned into a list, or a key dropped, is not
+  the same place)."""
+  treedef, children = _one_level(tree)
+  if not children:
+    return [()] * treedef.num_leaves  # a leaf (1) or an empty node (0)
+  return [((type(tree), key),) + rest for key, child in children
+          for rest in leaf_paths(child)]

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+from flax import nnx
 
 from jcxl._src import call_args
 from jcxl._src import registry
@@ -35,6 +36,7 @@ from jcxl._src.offload.program import reorder_by_layer
 from jcxl._src.offload.sliced_update import slice_state_updates
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.tree_diff import first_difference
+from jcxl._src.tree_diff import leaf_paths
 from jcxl._src.tree_diff import short as short_tree
 
 is_pool_array = lambda x: isinstance(x, PoolArray)
@@ -59,10 +61,15 @@ class Prepared:
   pinned: dict[int, Pinned]
   # Output leaf -> the state argument leaf it is written into. The traced
   # function's outputs are the step's, then every argument leaf as the step
-  # left it (an NNX module updated in place): leaf i at num_out + i.
+  # left it (an NNX module updated in place), matched to the arguments by
+  # key path.
   targets: dict[int, int]
   out_tree: Any
   out_shardings: list[Any]  # per output leaf: a Sharding, or None
+  # Output leaf -> the argument leaf, for device (and pinned) NNX Variables
+  # the step updated in place: returned after the step's outputs, in this
+  # order, and set into the caller's Variables (as nnx.jit does).
+  written: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,9 +149,10 @@ def prepare(bound: call_args.BoundCall, out_shardings: Any, name: str
   position = {id(leaf): i for i, leaf in enumerate(flat)}
   targets = {j: position[id(t)] for j, t in targets.items()}
   num_out = len(jax.tree_util.tree_leaves(out_shape))
-  targets.update(_updated_in_place(
-      name, closed.jaxpr, avals, after, num_out, flat, names,
-      set(targets.values())))
+  in_place, written = _updated_in_place(
+      closed.jaxpr, avals, after, num_out, flat, set(targets.values()),
+      variables_of(args))
+  targets.update(in_place)
   _check_aliases(name, flat, names, set(targets.values()))
   out_shardings = shardings_lib.flat_shardings(
       out_shardings, out_shape, "out_shardings")
@@ -161,36 +169,51 @@ def prepare(bound: call_args.BoundCall, out_shardings: Any, name: str
               if is_pinned(leaf)},
       targets=targets,
       out_tree=jax.tree_util.tree_structure(out_shape),
-      out_shardings=out_shardings)
+      out_shardings=out_shardings,
+      written=written)
 
 
-def _updated_in_place(name: str, jaxpr: Any, avals: Any, after: Any,
-                      num_out: int, flat: list[Any], names: list[str],
-                      returned: set[int]) -> dict[int, int]:
-  """Output index -> argument leaf, for the pool arrays the step updated
-  in place (an NNX module's, a step returning None) and did not return.
-
-  Raises:
-    TypeError: an in-place update cxl_offload cannot write back.
-  """
-  if jax.tree_util.tree_structure(after) != jax.tree_util.tree_structure(
-      avals):
-    raise TypeError(
-        f"{name} changes the structure of its arguments in place "
-        f"({first_difference(after, avals)}); return the new value "
-        "instead")
-  outvars = jaxpr.outvars[num_out:]
-  targets = {}
-  for i, (var, invar) in enumerate(zip(outvars, jaxpr.invars)):
-    if var is invar or i in returned:
+def variables_of(args: Any) -> list[Any]:
+  """Per argument leaf (pool arrays as leaves), the NNX Variable holding
+  it as its one leaf, else None."""
+  is_leaf = lambda x: isinstance(x, (PoolArray, nnx.Variable))
+  owners = []
+  for x in jax.tree_util.tree_leaves(args, is_leaf=is_leaf):
+    if not isinstance(x, nnx.Variable):
+      owners.append(None)
       continue
-    if not isinstance(flat[i], PoolArray):
-      raise TypeError(
-          f"{name} updates {names[i]} in place but it is not in the pool, "
-          "so the update cannot be handed back (as with jax.jit); place "
-          "it in the pool, or return the new value: `return model, loss`")
-    targets[num_out + i] = i
-  return targets
+    n = len(jax.tree_util.tree_leaves(x, is_leaf=is_pool_array))
+    owners.extend([x] if n == 1 else [None] * n)
+  return owners
+
+
+def _updated_in_place(jaxpr: Any, avals: Any, after: Any, num_out: int,
+                      flat: list[Any], returned: set[int],
+                      variables: list[Any]
+                      ) -> tuple[dict[int, int], dict[int, int]]:
+  """Output index -> argument leaf, for the pool arrays the step updated
+  in place (an NNX module's, a step returning None) and did not return;
+  and the same for the NNX Variables off the pool it updated in place.
+
+  The traced function gets containers of its own, as under jax.jit: the
+  arguments as it left them are matched to the arguments by key path, and
+  a leaf it moved or dropped (`batch.pop("labels")`), or another container
+  leaf off the pool it changed, is not written back, as jax.jit ignores
+  it.
+  """
+  after_at = {path: k for k, path in enumerate(leaf_paths(after))}
+  targets, written = {}, {}
+  for i, (path, invar) in enumerate(zip(leaf_paths(avals), jaxpr.invars)):
+    k = after_at.get(path)
+    if k is None or i in returned:
+      continue
+    if jaxpr.outvars[num_out + k] is invar:
+      continue
+    if isinstance(flat[i], PoolArray):
+      targets[num_out + k] = i
+    elif variables[i] is not None:
+      written[num_out + k] = i
+  return targets, written
 
 
 def _check_aliases(name: str, flat: list[Any], names: list[str],
@@ -251,7 +274,7 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
         key = _copy_of(program, key, target)
       if key != old:  # unchanged state: nothing to write
         stores[key] = target
-    elif j < num_out:  # the arguments as left: written, never returned
+    elif j < num_out or j in prep.written:  # the step's, then Variables'
       returned.append((j, key, target))
   returned_keys = {key for _, key, _ in returned if not isinstance(key, Lit)}
   found, device_why = host_update.find(

@@ -89,6 +89,10 @@ class OffloadedStep:
     # compile is done (see _compile_plan).
     self._ahead_plans: dict[schedule_lib.LayerSchedule, Any] = {}
     self._last_results: Any = None
+    # Call signature -> the argument leaves of device NNX Variables the
+    # step updates in place, in the order their new values follow the
+    # step's outputs (set into the caller's Variables, as nnx.jit does).
+    self._written: dict[Any, tuple[int, ...]] = {}
     # Whether the first call compared the step's settings with its peer
     # processes' (where its arrays span processes; see _agree).
     self._peers_checked = False
@@ -101,7 +105,10 @@ class OffloadedStep:
     return self._scheduler.tuner
 
   def _prepare(self, bound: call_args.BoundCall) -> analysis.Prepared:
-    return analysis.prepare(bound, self._out_shardings, self._name)
+    prep = analysis.prepare(bound, self._out_shardings, self._name)
+    self._written[compiled_lib.signature(bound)] = tuple(
+        prep.written[j] for j in sorted(prep.written))
+    return prep
 
   def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> call_args.BoundCall:
@@ -142,11 +149,12 @@ class OffloadedStep:
     out = []
     for j, key, target in a.returned:
       value = interpreter.read_output(key)
+      sharding = (prep.out_shardings[j] if j < len(prep.out_shardings)
+                  else None)  # past them: Variables updated in place
       if isinstance(target, analysis.Pinned):  # back to pinned host memory
         value = jax.device_put(value, target.sharding)
-      elif prep.out_shardings[j] is not None:  # as jax.jit's out_shardings
-        value = jax.lax.with_sharding_constraint(value,
-                                                prep.out_shardings[j])
+      elif sharding is not None:  # as jax.jit's out_shardings
+        value = jax.lax.with_sharding_constraint(value, sharding)
       out.append(value)
     # After the outputs: a call reads only those (see Interpreter).
     out.extend(interpreter.tokens())
@@ -363,9 +371,19 @@ class OffloadedStep:
       if following is not None:
         self._plan = following.plan
     results = iter(self._last_results)
-    return jax.tree_util.tree_unflatten(
+    out = jax.tree_util.tree_unflatten(
         entry.out_tree, [next(results) if src is None else flat_args[src]
                          for src in entry.sources])
+    written = self._written.get(signature, ())
+    if written:
+      variables = analysis.variables_of(args)
+      for i in written:
+        v, new = variables[i], next(results)
+        if hasattr(v, "set_value"):  # flax 0.12; the .value setter before
+          v.set_value(new)
+        else:
+          v.value = new
+    return out
 
   def device_need(self, *args, **kwargs) -> int:
     """Device bytes the compiled step needs for these arguments."""
