@@ -4,11 +4,11 @@ Parameters and optimizer state live in a tiered pool outside the device
 (CXL memory, host DRAM, NVMe files) and stream into the jitted step.
 """
 
-from jcxl._src.dap.profile import LayerProfile as LayerProfile
-from jcxl._src.dap.profile import StepProfile as StepProfile
-from jcxl._src.dap.tuner import TunerOptions as TunerOptions
-from jcxl._src.dap.tuner import Tuner as Tuner
-from jcxl._src.dap.tuner import TunerEvent as TunerEvent
+from jcxl._src.schedules.profile import LayerProfile as LayerProfile
+from jcxl._src.schedules.profile import StepProfile as StepProfile
+from jcxl._src.schedules.options import TunerOptions as TunerOptions
+from jcxl._src.schedules.tuner import Tuner as Tuner
+from jcxl._src.schedules.tuner import TunerEvent as TunerEvent
 from jcxl._src.errors import CheckpointCorruptError as CheckpointCorruptError
 from jcxl._src.errors import JcxlError as JcxlError
 from jcxl._src.errors import PoolClosedError as PoolClosedError
@@ -31,9 +31,9 @@ from jcxl._src.pool_array import PoolArray as PoolArray
 from jcxl._src.pool_init import init_in_pool as init_in_pool
 from jcxl._src.pool_init import tiers_by_reads as tiers_by_reads
 from jcxl._src.registry import cuda_available as cuda_available
-from jcxl._src.schedule import LayerPlan as LayerPlan
-from jcxl._src.schedule import LayerSchedule as LayerSchedule
-from jcxl._src.schedule import Plan as Plan
+from jcxl._src.schedules.plan import LayerPlan as LayerPlan
+from jcxl._src.schedules.plan import LayerSchedule as LayerSchedule
+from jcxl._src.schedules.plan import Plan as Plan
 from jcxl._src.stream import fetch as fetch
 from jcxl._src.stream import layer_scan as layer_scan
 from jcxl._src.stream import store as store

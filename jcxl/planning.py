@@ -39,16 +39,16 @@ Measures of this machine:
 """
 
 from jcxl._src.compute_measure import measured_timeline as measured_timeline
-from jcxl._src.dap.compute_estimate import device_rates as device_rates
-from jcxl._src.dap.costmodel import Choice as Choice
-from jcxl._src.dap.costmodel import Link as Link
-from jcxl._src.dap.costmodel import Prediction as Prediction
-from jcxl._src.dap.costmodel import Segment as Segment
-from jcxl._src.dap.costmodel import choose_schedule as choose_schedule
-from jcxl._src.dap.costmodel import choose_tiers as choose_tiers
-from jcxl._src.dap.costmodel import simulate as simulate
+from jcxl._src.schedules.compute_estimate import device_rates as device_rates
+from jcxl._src.schedules.costmodel import Choice as Choice
+from jcxl._src.schedules.costmodel import Link as Link
+from jcxl._src.schedules.costmodel import Prediction as Prediction
+from jcxl._src.schedules.costmodel import Segment as Segment
+from jcxl._src.schedules.costmodel import choose_schedule as choose_schedule
+from jcxl._src.schedules.costmodel import choose_tiers as choose_tiers
+from jcxl._src.schedules.costmodel import device_need as device_need
+from jcxl._src.schedules.costmodel import simulate as simulate
 from jcxl._src.jax_compat import saved_residual_bytes as saved_residual_bytes
-from jcxl._src.offload.compiled import device_need as device_need
 from jcxl._src.offload.step import step_timeline as step_timeline
 from jcxl._src.transfer_estimate import round_trip_seconds as round_trip_seconds
 

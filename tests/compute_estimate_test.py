@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jcxl._src.dap import compute_estimate
+from jcxl._src.schedules import compute_estimate
 from jcxl._src.offload.program import Program
 
 

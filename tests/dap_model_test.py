@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from jcxl._src.dap import costmodel
-from jcxl._src.dap.model import StepModel
-from jcxl._src.dap.profile import StepProfile
-from jcxl._src.schedule import LayerSchedule
+from jcxl._src.schedules import costmodel
+from jcxl._src.schedules.model import StepModel
+from jcxl._src.schedules.profile import StepProfile
+from jcxl._src.schedules.plan import LayerSchedule
 
 MiB = 1 << 20
 SYNC = LayerSchedule.of({"a": 0, "b": 0})

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from jcxl._src.dap import costmodel
-from jcxl._src.dap import profile as profile_lib
-from jcxl._src import schedule as schedule_lib
-from jcxl._src.dap import tuner as tuner_lib
+from jcxl._src.schedules import costmodel
+from jcxl._src.schedules import profile as profile_lib
+from jcxl._src.schedules import plan as schedule_lib
+from jcxl._src.schedules import tuner as tuner_lib
 from jcxl._src.pool import Tier
 from jcxl._src.pool import TransferRecord
 from tests.transform_test import make_step

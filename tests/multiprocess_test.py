@@ -434,8 +434,8 @@ class AgreedValuesTest:
   the slowest process's times, process 0's measured step."""
 
   def test_a_measured_step_is_process_0s_at_the_slowest_step_time(self):
-    from jcxl._src.dap import agreement  # pylint: disable=g-import-not-at-top
-    from jcxl._src.dap import profile  # pylint: disable=g-import-not-at-top
+    from jcxl._src.schedules import agreement  # pylint: disable=g-import-not-at-top
+    from jcxl._src.schedules import profile  # pylint: disable=g-import-not-at-top
     mine = profile.StepProfile(
         0.010, (profile.LayerProfile("a", 4, 0, 1e-3, 0.0, 2e-3, 1),),
         (2e-3,), {"cxl": 4}, {"cxl": 4e3})
@@ -447,8 +447,8 @@ class AgreedValuesTest:
     assert agreement.agreed_profile([None, values[1]]) is None
 
   def test_estimates_take_the_slowest_and_refuse_other_steps(self):
-    from jcxl._src.dap import agreement  # pylint: disable=g-import-not-at-top
-    from jcxl._src.dap import costmodel  # pylint: disable=g-import-not-at-top
+    from jcxl._src.schedules import agreement  # pylint: disable=g-import-not-at-top
+    from jcxl._src.schedules import costmodel  # pylint: disable=g-import-not-at-top
     segments = [costmodel.Segment("a", 8, "cxl", 1e-3),
                 costmodel.Segment("b", 8, "cxl", 3e-3)]
     links = {"cxl": costmodel.Link(10e9, 1e-6)}

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from jcxl._src import schedule as schedule_lib
+from jcxl._src.schedules import plan as schedule_lib
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import jcxl
 from jcxl import cxl_offload
-from jcxl._src.offload.compiled import device_need
+from jcxl._src.schedules.costmodel import device_need
 import numpy as np
 import optax
 import pytest

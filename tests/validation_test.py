@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jcxl
-from jcxl._src import schedule as schedule_lib
+from jcxl._src.schedules import plan as schedule_lib
 from jcxl._src import stream
 from jcxl._src import validation
 

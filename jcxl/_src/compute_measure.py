@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import costmodel
 from jcxl._src import placement
 from jcxl._src import pool as pool_lib
 from jcxl._src.offload import step as offload_step

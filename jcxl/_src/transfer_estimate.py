@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jcxl._src.dap import compute_estimate
+from jcxl._src.schedules import compute_estimate
 from jcxl._src import placement
 from jcxl._src import pool as pool_lib
 from jcxl._src import stream

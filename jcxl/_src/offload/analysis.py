@@ -20,7 +20,7 @@ from flax import nnx
 from jcxl._src import call_args
 from jcxl._src import registry
 from jcxl._src import shardings as shardings_lib
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import costmodel
 from jcxl._src.errors import PoolExhaustedError
 from jcxl._src.offload import host_runs
 from jcxl._src.offload import host_update

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from jcxl._src.dap import compute_estimate
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import compute_estimate
+from jcxl._src.schedules import costmodel
 from jcxl._src import jax_compat
-from jcxl._src import schedule as schedule_lib
+from jcxl._src.schedules import plan as schedule_lib
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node

@@ -14,6 +14,7 @@ from jcxl._src.offload.analysis import Prepared
 from jcxl._src.offload.analysis import is_pool_array
 from jcxl._src.pool_array import Liveness
 from jcxl._src.pool_array import PoolArray
+from jcxl._src.schedules.costmodel import device_need
 from jcxl._src.units import format_bytes
 
 
@@ -82,15 +83,6 @@ def make_entry(args: tuple[Any, ...], prep: Prepared,
   return CompiledStep(compiled, prep.out_tree, sources, plan, baking[0],
                 Liveness([x for x in flat_args
                           if isinstance(x, PoolArray)]))
-
-
-def device_need(analysis: Any) -> int:
-  """Device bytes a compiled step needs, from its ``memory_analysis()``:
-  temporaries, arguments and outputs, less what outputs alias (what
-  `device_budget` is checked against)."""
-  m = analysis
-  return int(m.temp_size_in_bytes + m.argument_size_in_bytes +
-             m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
 def check_budget(executable: Any, budget: int | None, name: str,

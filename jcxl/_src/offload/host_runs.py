@@ -21,8 +21,8 @@ from jcxl._src import pool_array as pool_array_lib
 from jcxl._src import pool as pool_lib
 from jcxl._src import registry
 from jcxl._src import update_program as up
-from jcxl._src.dap import compute_estimate
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import compute_estimate
+from jcxl._src.schedules import costmodel
 from jcxl._src.offload import host_update
 from jcxl._src.offload.host_update import HostUpdateNode
 from jcxl._src.offload.program import Program

@@ -25,8 +25,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jcxl._src import jax_compat
-from jcxl._src import schedule as schedule_lib
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import plan as schedule_lib
+from jcxl._src.schedules import costmodel
 from jcxl._src.offload.clusters import Cluster
 from jcxl._src.offload.clusters import FetchClusters
 from jcxl._src.offload.clusters import unordered_reads

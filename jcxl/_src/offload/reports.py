@@ -8,8 +8,8 @@ import collections
 import dataclasses
 
 from jcxl import _jcxl
-from jcxl._src import schedule as schedule_lib
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import plan as schedule_lib
+from jcxl._src.schedules import costmodel
 from jcxl._src.offload.analysis import Analysis
 from jcxl._src.offload import host_runs
 from jcxl._src.offload import weight_copies

@@ -24,22 +24,22 @@ from jcxl._src import call_args
 from jcxl._src import dispatched
 from jcxl._src import distributed
 from jcxl._src import registry
-from jcxl._src import schedule as schedule_lib
+from jcxl._src.schedules import plan as schedule_lib
 from jcxl._src import shardings as shardings_lib
-from jcxl._src.dap import agreement as agreement_lib
-from jcxl._src.dap import costmodel
-from jcxl._src.dap import profile as profile_lib
+from jcxl._src.schedules import agreement as agreement_lib
+from jcxl._src.schedules import costmodel
+from jcxl._src.schedules import profile as profile_lib
 from jcxl._src.offload import analysis
 from jcxl._src.offload import compiled as compiled_lib
 from jcxl._src.offload import host_runs
 from jcxl._src.offload import host_update
 from jcxl._src.offload import reports
 from jcxl._src.offload import run_order as run_order_lib
-from jcxl._src.offload import scheduler as scheduler_lib
+from jcxl._src.schedules import scheduler as scheduler_lib
 from jcxl._src.offload.analysis import is_pinned
 from jcxl._src.offload.analysis import is_pool_array
 from jcxl._src.offload.compiled import CompiledStep
-from jcxl._src.offload.compiled import device_need
+from jcxl._src.schedules.costmodel import device_need
 from jcxl._src.offload.interpreter import Interpreter
 from jcxl._src.offload.program import layer_of
 from jcxl._src.offload.reports import LayerReport

@@ -15,13 +15,10 @@ import enum
 import math
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from jcxl._src.dap.profile import StepProfile
-from jcxl._src.schedule import LayerSchedule
-
-if TYPE_CHECKING:  # tuner.py imports this module
-  from jcxl._src.dap.tuner import TunerOptions
+from jcxl._src.schedules.options import TunerOptions
+from jcxl._src.schedules.profile import StepProfile
+from jcxl._src.schedules.plan import LayerSchedule
 
 
 class Turn(enum.Enum):

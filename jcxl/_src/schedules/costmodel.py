@@ -19,6 +19,7 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jcxl._src.units import format_bytes
 
@@ -414,3 +415,12 @@ def choose_tiers(layer_bytes: Mapping[str, int],
           f"tier; room left: " + ", ".join(
               f"{t} {format_bytes(r)}" for (t, _, _), r in zip(tiers, room)))
   return out
+
+
+def device_need(analysis: Any) -> int:
+  """Device bytes a compiled step needs, from its ``memory_analysis()``:
+  temporaries, arguments and outputs, less what outputs alias (what
+  `device_budget` is checked against)."""
+  m = analysis
+  return int(m.temp_size_in_bytes + m.argument_size_in_bytes +
+             m.output_size_in_bytes - m.alias_size_in_bytes)

@@ -13,9 +13,9 @@ import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
 
-from jcxl._src.dap import costmodel
-from jcxl._src.dap.profile import StepProfile
-from jcxl._src.schedule import LayerSchedule
+from jcxl._src.schedules import costmodel
+from jcxl._src.schedules.profile import StepProfile
+from jcxl._src.schedules.plan import LayerSchedule
 
 
 class StepModel:

@@ -17,12 +17,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jcxl._src import schedule as schedule_lib
-from jcxl._src.dap import agreement as agreement_lib
-from jcxl._src.dap.compile_ahead import CompileAhead
-from jcxl._src.dap.profile import StepProfile
-from jcxl._src.dap.tuner import Tuner
-from jcxl._src.offload.compiled import device_need
+from jcxl._src.schedules import plan as schedule_lib
+from jcxl._src.schedules import agreement as agreement_lib
+from jcxl._src.schedules.compile_ahead import CompileAhead
+from jcxl._src.schedules.profile import StepProfile
+from jcxl._src.schedules.tuner import Tuner
+from jcxl._src.schedules.costmodel import device_need
 
 
 class DapScheduler:

@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jcxl._src import errors
-from jcxl._src.dap import costmodel
-from jcxl._src.dap.profile import LayerProfile
-from jcxl._src.dap.profile import StepProfile
-from jcxl._src.schedule import LayerSchedule
+from jcxl._src.schedules import costmodel
+from jcxl._src.schedules.profile import LayerProfile
+from jcxl._src.schedules.profile import StepProfile
+from jcxl._src.schedules.plan import LayerSchedule
 
 
 def plan_key(schedule: LayerSchedule) -> str:

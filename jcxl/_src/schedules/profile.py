@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import costmodel
 from jcxl._src.pool import TransferRecord
 
 

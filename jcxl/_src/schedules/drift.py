@@ -7,12 +7,9 @@ import enum
 import random
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from jcxl._src.dap.profile import StepProfile
-
-if TYPE_CHECKING:  # tuner.py imports this module
-  from jcxl._src.dap.tuner import TunerOptions
+from jcxl._src.schedules.options import TunerOptions
+from jcxl._src.schedules.profile import StepProfile
 
 # Checks of a settled plan whose median is the baseline drift is judged by.
 _RECENT_CHECKS = 9

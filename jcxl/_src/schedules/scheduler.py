@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from jcxl._src import schedule as schedule_lib
-from jcxl._src.dap import costmodel
-from jcxl._src.dap.profile import StepProfile
-from jcxl._src.dap.scheduler import DapScheduler
-from jcxl._src.dap.tuner import Tuner
+from jcxl._src.schedules import plan as schedule_lib
+from jcxl._src.schedules import costmodel
+from jcxl._src.schedules.profile import StepProfile
+from jcxl._src.schedules.dap import DapScheduler
+from jcxl._src.schedules.tuner import Tuner
 
 
 class Scheduler(Protocol):

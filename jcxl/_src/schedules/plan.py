@@ -23,7 +23,7 @@ import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from jcxl._src.dap import costmodel
+from jcxl._src.schedules import costmodel
 from jcxl._src.units import format_bytes
 
 # DeepSpeed ZeRO-3's stage3_prefetch_bucket_size default, in elements.

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jcxl._src.schedule import LayerSchedule
-from jcxl._src.dap.tuner import Tuner
+from jcxl._src.schedules.plan import LayerSchedule
+from jcxl._src.schedules.tuner import Tuner
 
 logger = logging.getLogger(__name__)
 
