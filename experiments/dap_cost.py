@@ -8,7 +8,7 @@ parameters and adamw state in an EMULATED cxl tier:
 * DAP's tuning, from the first step until it settles: the steps (and of
   them those that ran the plan before while the next plans compiled on
   the compiling thread), the plans compiled and their compile seconds,
-  and which limit, if any, settled it (see jcxl/_src/dap/tuner.py);
+  and which limit, if any, settled it (see jcxl/_src/schedules/tuner.py);
 * then --steps steps of DAP and of each fixed prefetch distance, in
   interleaved rounds (--block_steps steps of each a round, the last
   timed, in a shuffled order): DAP's step over the best fixed distance's

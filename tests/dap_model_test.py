@@ -1,4 +1,4 @@
-"""The step model the adaptive schedule's tuner learns (dap/model.py)."""
+"""The step model the adaptive schedule's tuner learns (schedules/model.py)."""
 
 from __future__ import annotations
 

@@ -430,7 +430,7 @@ class DifferencesTest:
 
 
 class AgreedValuesTest:
-  """What DAP's tuners decide from in a multi-process run (dap.agreement):
+  """What DAP's tuners decide from in a multi-process run (schedules.agreement):
   the slowest process's times, process 0's measured step."""
 
   def test_a_measured_step_is_process_0s_at_the_slowest_step_time(self):

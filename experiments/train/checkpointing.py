@@ -7,23 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jcxl
 from experiments import cluster
 from experiments.train import metrics
-
-if TYPE_CHECKING:
-  from experiments.train.config import Config
-
-
-def finished_steps(directory: str) -> list[int]:
-  """Steps of the finished checkpoints in `directory`, ascending."""
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(name) for name in os.listdir(directory)
-                if name.isdigit() and jcxl.checkpoint.is_complete(
-                    os.path.join(directory, name)))
+from experiments.train.config import Config
+from experiments.train.config import finished_steps
 
 
 def remove_unfinished(directory: str) -> None:

@@ -18,7 +18,6 @@ import jcxl
 from experiments import cluster
 from experiments import common as experiments_common
 from experiments import flags as shared_flags
-from experiments.train import checkpointing
 from jcxl.units import format_bytes
 from jcxl.units import parse_bytes
 from models import common
@@ -137,6 +136,15 @@ MODES = ("cxl", "resident")
 TIERS = ("cxl", "host", "nvme")
 
 
+def finished_steps(directory: str) -> list[int]:
+  """Steps of the finished checkpoints in `directory`, ascending."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isdigit() and jcxl.checkpoint.is_complete(
+                    os.path.join(directory, name)))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """One training run."""
@@ -211,7 +219,7 @@ class Config:
     if saved["step"] >= self.steps:
       raise ValueError(f"--resume: {path!r} is at step {saved['step']}, the "
                        f"last of --steps {self.steps}; nothing is left to run")
-    later = [s for s in checkpointing.finished_steps(self.checkpoint_dir)
+    later = [s for s in finished_steps(self.checkpoint_dir)
              if s > saved["step"]]
     if later:
       raise ValueError(

@@ -9,13 +9,11 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from experiments import cluster
+from experiments.train.config import Config
 from jcxl.units import format_bytes
-
-if TYPE_CHECKING:
-  from experiments.train.config import Config
 
 
 def model_layer(name: str) -> str:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 from jcxl import _jcxl
 from jcxl._src import errors
 
-if TYPE_CHECKING:
-  from jcxl._src.pool import Pool
+# A jcxl._src.pool.Pool: pool.py registers its pools here, so this module
+# does not import it (the dependency runs one way).
+Pool = Any
 
 _pools: weakref.WeakValueDictionary[int, Pool] = weakref.WeakValueDictionary()
 _lock = threading.Lock()

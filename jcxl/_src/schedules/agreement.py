@@ -1,5 +1,5 @@
 """What the processes of a multi-process run exchange so that their DAP
-tuners take the same decisions (see dap.scheduler, distributed.Agreement).
+tuners take the same decisions (see schedules.dap, distributed.Agreement).
 
 Every input a tuner decides from is agreed before it is used: the cost
 model's first estimates (each segment's compute, each tier's link), each

@@ -1,9 +1,9 @@
-"""The Scheduler of ``schedule='dap'`` (see offload.scheduler): a `Tuner`
+"""The Scheduler of ``schedule='dap'`` (see schedules.scheduler): a `Tuner`
 chooses the plans and learns from measured steps, and the plans it runs
 next compile on a thread of their own (`CompileAhead`).
 
 In a multi-process run whose step spans processes, each process's tuner
-decides only from values every process agreed (see dap.agreement): a
+decides only from values every process agreed (see schedules.agreement): a
 plan compiled ahead is used once every process has compiled it, and a
 step's measurement, compile and wait are exchanged at the step's end
 (where the tuner may measure it, or it waited for compiles; one exchange

@@ -8,8 +8,8 @@ uses them. The schedules a step accepts:
 * ``'bucket'`` / ``'bucket:N'``: DeepSpeed ZeRO-3's rule, fetch ahead the
   following layers that fit in N parameter elements (its default 5e7);
 * ``'plan:PATH'``: a plan saved by an earlier run (``Plan.save``);
-* ``'dap'`` / ``'dap:PATH'``: Dynamic Adaptive Pipelining (``dap/tuner.py``),
-  optionally starting from a saved plan.
+* ``'dap'`` / ``'dap:PATH'``: Dynamic Adaptive Pipelining
+  (``schedules/tuner.py``), optionally starting from a saved plan.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ chooses the plans it runs.
 
 A schedule fixed before the step runs ('fixed:k', 'sync', 'bucket',
 'plan:PATH') is a `StaticScheduler`: one plan, nothing measured, nothing
-compiled ahead. 'dap' is a ``dap.scheduler.DapScheduler``: a tuner that
+compiled ahead. 'dap' is a ``schedules.dap.DapScheduler``: a tuner that
 measures steps and moves the plan, with the plans to come compiled off the
 step's path.
 """
@@ -106,7 +106,7 @@ def for_schedule(schedule: schedule_lib.Schedule, budget: int | None,
                  compile_plan: Callable[[Any, schedule_lib.LayerSchedule],
                                         tuple[Any, int]]) -> Scheduler:
   """The scheduler of a parsed `schedule`; `compile_plan(args, plan)`
-  compiles the step with a plan off its path (see dap.compile_ahead)."""
+  compiles the step with a plan off its path (see schedules.compile_ahead)."""
   if isinstance(schedule, schedule_lib.DapSchedule):
     return DapScheduler(schedule, budget, compile_plan)
   return StaticScheduler(schedule)

@@ -346,7 +346,7 @@ class Tuner:
     """Whether the tuner's state asks for the next step to be measured,
     before `wants_measurement` defers it for a step that follows another
     program's: a function of what the tuner decided alone (its peers in
-    a multi-process run agree it, see dap.scheduler)."""
+    a multi-process run agree it, see schedules.dap)."""
     return self._wanted()
 
   def _wanted(self) -> bool:

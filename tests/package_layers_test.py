@@ -1,0 +1,46 @@
+"""jcxl's packages depend one way: no import cycles (TYPE_CHECKING and
+function-level imports count), and schedules never imports offload."""
+
+import importlib.util
+import os
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _measure():
+  spec = importlib.util.spec_from_file_location(
+      "measure", os.path.join(_ROOT, "tools", "measure.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+class PackageLayersTest:
+
+  def test_no_import_cycles_between_modules_or_packages(self):
+    measure = _measure()
+    assert measure.import_cycles()["groups"] == []
+    graph = measure._import_graph()  # pylint: disable=protected-access
+    assert measure.import_cycles(measure._units(graph))["groups"] == []  # pylint: disable=protected-access
+
+  def test_schedules_does_not_import_offload(self):
+    graph = _measure()._import_graph()  # pylint: disable=protected-access
+    back = sorted((name, target) for name, targets in graph.items()
+                  if name.startswith("jcxl._src.schedules")
+                  for target in targets
+                  if target.startswith("jcxl._src.offload"))
+    assert back == []
+
+  def test_a_cycle_is_found(self, tmp_path, monkeypatch):
+    # The measure itself: two modules importing each other, one of them
+    # only under TYPE_CHECKING, are one cycle.
+    measure = _measure()
+    package = tmp_path / "jcxl"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from jcxl import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n  from jcxl.a import x\n")
+    monkeypatch.setattr(measure, "ROOT", str(tmp_path))
+    assert measure.import_cycles()["groups"] == [["jcxl.a", "jcxl.b"]]
