@@ -72,6 +72,16 @@ def _module_name(path: str) -> str:
   return ".".join(rel)
 
 
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+  """The absolute module a `from ... import` in `package` names."""
+  base = node.module or ""
+  if node.level:
+    anchor = package.split(".")
+    anchor = anchor[:len(anchor) - (node.level - 1)]
+    base = ".".join(anchor + ([base] if base else []))
+  return base
+
+
 def _imported(tree: ast.Module, name: str, is_package: bool) -> set[str]:
   """Absolute names of the modules `tree` (module `name`) imports; for
   `from x import y` both x and x.y (y may be a module)."""
@@ -83,11 +93,7 @@ def _imported(tree: ast.Module, name: str, is_package: bool) -> set[str]:
         parts = alias.name.split(".")
         out |= {".".join(parts[:i + 1]) for i in range(len(parts))}
     elif isinstance(node, ast.ImportFrom):
-      base = node.module or ""
-      if node.level:
-        anchor = package.split(".")
-        anchor = anchor[:len(anchor) - (node.level - 1)]
-        base = ".".join(anchor + ([base] if base else []))
+      base = _from_base(node, package)
       parts = base.split(".")
       out |= {".".join(parts[:i + 1]) for i in range(len(parts))}
       out |= {f"{base}.{alias.name}" for alias in node.names}
@@ -208,11 +214,7 @@ def _import_graph() -> dict[str, set[str]]:
       if isinstance(node, ast.Import):
         edges |= {a.name for a in node.names if a.name in modules}
       elif isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-          anchor = package.split(".")
-          anchor = anchor[:len(anchor) - (node.level - 1)]
-          base = ".".join(anchor + ([base] if base else []))
+        base = _from_base(node, package)
         for alias in node.names:
           if f"{base}.{alias.name}" in modules:
             edges.add(f"{base}.{alias.name}")
