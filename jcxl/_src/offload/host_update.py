@@ -247,6 +247,13 @@ def find(program: Program, resident: dict[Any, Any],
     if key in covered or target.size <= 1:
       continue
     why = refused.get(key) or _why_not(program, g, key, candidates, blocked)
+    if key not in refused and _not_the_optimizers(program, g, key,
+                                                  candidates):
+      # 'host' means the optimizer's update: the rest of the state (a
+      # dropout key split each step, metrics) is the step's own work.
+      why = f"not an optimizer update: {why}"
+      device_reasons.setdefault(layer, why)
+      continue
     device_reasons[layer] = why  # (over a scalar's: this one matters)
     if update == "host":
       raise ValueError(
@@ -303,6 +310,18 @@ def _why_not(program: Program, g: Uses, key: Any, candidates: set[int],
               "(it reads the whole leaf, e.g. a norm)")
     n = c
   return "its update's work is not elementwise on the leaf"
+
+
+def _not_the_optimizers(program: Program, g: Uses, key: Any,
+                        candidates: set[int]) -> bool:
+  """Whether a stored value is no optimizer's update: it is not made by
+  elementwise work on pool state, and not by optax (a key split, a count
+  of the step's own)."""
+  n = g.producer.get(key)
+  if n is None or n in candidates:
+    return False
+  return not transformation_of(program, program.nodes[n]).startswith(
+      "optax.")
 
 
 def _components(program: Program, g: Uses, region: set[int],
