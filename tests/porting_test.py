@@ -130,6 +130,20 @@ class LinenTest:
     assert_close(placed, ref)
     assert all(sorted(batch) == ["x", "y"] for batch in data)
 
+  def test_host_update_leaves_a_key_split_by_the_step_on_the_device(
+      self, pool):
+    state = linen_state().replace(rng=jax.random.PRNGKey(1))  # raw uint32
+    placed = jcxl.place(state, "cxl", pool=pool)
+    assert is_pool_array(placed.rng)
+    ref, placed, step = run_both(linen_train_step, state, placed, batches(),
+                                 offload_kwargs={"update": "host"})
+    assert_close(placed, ref)
+    paths = {l.name: l.update for l in step.plan.layers}
+    assert paths[".rng"] == "device"
+    assert {paths["['encoder']"], paths["['head']"]} == {"host"}
+    assert any(line.startswith(".rng: device: not an optimizer update")
+               for line in step.plan.updates), step.plan.updates
+
   def test_multisteps_accumulates_then_updates(self, pool):
     tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
     state = linen_state(tx)
