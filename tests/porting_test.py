@@ -631,3 +631,72 @@ class PlanTableTest:
       for name in ("query", "key", "value", "out"):
         assert (f"['transformer_block_with_a_long_name_0_attn']['{name}']"
                 in table), table
+
+
+# ------------------------------------- update='host': refetch by budget
+
+
+def mlp_params(sizes=(FEATURES, 64, 64, CLASSES)):
+  keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
+  return {f"layer{i}": {"w": jax.random.normal(k, (m, n)) / m**0.5,
+                        "b": jnp.zeros(n)}
+          for i, (k, m, n) in enumerate(zip(keys, sizes, sizes[1:]))}
+
+
+def mlp_step(params, opt_state, batch):
+  def loss_fn(params):
+    x = batch["x"]
+    for i in range(len(params)):
+      x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+      x = jnp.tanh(x) if i < len(params) - 1 else x
+    return optax.softmax_cross_entropy_with_integer_labels(
+        x, batch["y"]).mean()
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = optax.adamw(1e-2).update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+class RefetchTest:
+
+  def _run(self, pool, **offload):
+    """mlp_step under jax.jit and cxl_offload(update='host'): the step,
+    and the bytes the last offloaded step read from the pool."""
+    params = mlp_params()
+    ref = (params, optax.adamw(1e-2).init(params))
+    placed = tuple(jcxl.place(t, "cxl", pool=pool) for t in ref)
+    step = jcxl.cxl_offload(mlp_step, update="host", **offload)
+    for batch in batches():
+      *ref, ref_loss = jax.jit(mlp_step)(*ref, batch)
+      before = pool.stats()["cxl"].bytes_read
+      *placed, loss = step(*placed, batch)
+      np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+      read = pool.stats()["cxl"].bytes_read - before
+    assert_close(tuple(placed), tuple(ref))
+    return step, read
+
+  def test_weights_are_kept_by_default_and_refetched_on_request(self, pool):
+    kept, read_kept = self._run(pool)
+    again, read_again = self._run(pool, refetch=True)
+    # Each weight the backward pass reads comes in once a step, not twice
+    # (the first layer's is not read there: no gradient flows to x).
+    assert read_again - read_kept == 4 * (64 * 64 + 64 * CLASSES)
+    assert any(line.startswith("refetch=False: each weight is kept")
+               for line in kept.plan.updates), kept.plan.updates
+    assert "refetch=True: as given (refetch=True)" in again.plan.updates
+
+  def test_kept_weights_over_the_budget_are_refetched(self, pool,
+                                                      monkeypatch):
+    # A device where keeping the weights is over the budget: the first
+    # compile (weights kept) reports a need past it.
+    from jcxl._src.offload import step as step_lib
+    real, calls = step_lib.device_need, []
+
+    def need(analysis):
+      calls.append(None)
+      return 2**40 if len(calls) == 1 else real(analysis)
+    monkeypatch.setattr(step_lib, "device_need", need)
+    step, _ = self._run(pool, device_budget="64MiB")
+    assert step.compiles == 2
+    assert any(line.startswith("refetch=True: keeping each weight")
+               and "over device_budget (64.00 MiB)" in line
+               for line in step.plan.updates), step.plan.updates

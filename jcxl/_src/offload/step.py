@@ -46,6 +46,7 @@ from jcxl._src.offload.reports import LayerReport
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import Liveness
 from jcxl._src.pool_array import PoolArray
+from jcxl._src.units import format_bytes
 from jcxl._src.units import parse_bytes
 
 class OffloadedStep:
@@ -56,7 +57,7 @@ class OffloadedStep:
                out_shardings: Any = None,
                params: call_args.Signature | None = None,
                run_order: run_order_lib.RunOrder = run_order_lib.PROCESS,
-               update: str = "device", refetch: bool = True):
+               update: str = "device", refetch: bool | None = None):
     self._fn = fn
     self._name = getattr(fn, "__name__", "the step")
     self._params = params or call_args.Signature(fn)
@@ -68,7 +69,10 @@ class OffloadedStep:
                                                  self._compile_plan)
     self._run_order = run_order
     self._update = host_update.check_mode(update)
-    self._refetch = refetch
+    self._refetch = refetch  # None: chosen per call (see _refetch_of)
+    # Call signature -> whether weights are refetched, and why, where the
+    # choice was made by the budget (see _compile).
+    self._refetch_chosen: dict[Any, tuple[bool, str]] = {}
     # The gradients' pool objects and programs of its host updates.
     self._host_updates = host_runs.HostUpdates()
     # This step in `run_order`: a token, so the order keeps no dropped
@@ -133,9 +137,10 @@ class OffloadedStep:
   # `ahead`: a plan to compile off the step's path (see compile_ahead),
   # which must leave the scheduler and `self._plan` alone.
   def _run(self, args: tuple[Any, ...], prep: analysis.Prepared,
-           ahead: schedule_lib.LayerSchedule | None = None) -> list[Any]:
+           ahead: schedule_lib.LayerSchedule | None = None,
+           refetch: tuple[bool, str] = (True, "")) -> list[Any]:
     a = analysis.analyze(args, prep, update=self._update,
-                         bind=self._host_updates, refetch=self._refetch)
+                         bind=self._host_updates, refetch=refetch[0])
     links = analysis.tier_links(a.resident.values())
     made_for = schedule_lib.MadeFor.of(
         (layer_of(a.key_paths[k]), a.key_paths[k], t.shape, t.dtype)
@@ -162,11 +167,29 @@ class OffloadedStep:
     plan = reports.record_plan(a, schedule, links, made_for,
                                str(self._schedule), self._groups,
                                self._first_device)
+    if refetch[1]:
+      plan = dataclasses.replace(
+          plan, updates=plan.updates + (f"refetch={refetch[0]}: "
+                                        f"{refetch[1]}",))
     if ahead:
       self._ahead_plans[ahead] = plan
     else:
       self._plan = self._scheduler.report(plan)
     return out
+
+  def _refetch_of(self, bound: call_args.BoundCall) -> tuple[bool, str]:
+    """Whether this call's step fetches a weight again for its backward
+    use, and why (empty: the device update's default, not reported)."""
+    if self._refetch is not None:
+      return self._refetch, f"as given (refetch={self._refetch})"
+    if self._update != "host":
+      return True, ""
+    # Weights in once and gradients out: 8 bytes per fp32 parameter a
+    # step, not 12, where the device can hold them in between.
+    return self._refetch_chosen.get(
+        compiled_lib.signature(bound),
+        (False, "each weight is kept on the device from its forward to "
+                "its backward use, within device_budget"))
 
   @property
   def plan(self) -> schedule_lib.Plan | None:
@@ -193,7 +216,8 @@ class OffloadedStep:
     donate = tuple(k for k, i in enumerate(passed)
                    if bound.is_donated(with_paths[i][0]) and
                    not isinstance(with_paths[i][1], PoolArray))
-    return jax.jit(lambda *a: self._run(rebuild(*a), prep, ahead),
+    refetch = self._refetch_of(bound)
+    return jax.jit(lambda *a: self._run(rebuild(*a), prep, ahead, refetch),
                    donate_argnums=donate).lower(
                        *(with_paths[i][1] for i in passed))
 
@@ -227,6 +251,16 @@ class OffloadedStep:
       started = time.perf_counter()
       compiled = self._lower(bound, prep, baking).compile()
       self.compiles += 1
+    refetch, _ = self._refetch_of(bound)
+    need = device_need(compiled.memory_analysis())
+    if (not refetch and self._refetch is None and self._budget is not None
+        and need > self._budget):
+      # The kept weights do not fit: each is fetched again where used.
+      self._refetch_chosen[compiled_lib.signature(bound)] = (
+          True, f"keeping each weight from its forward to its backward use "
+          f"would need {format_bytes(need)} of device memory, over "
+          f"device_budget ({format_bytes(self._budget)})")
+      return self._compile(bound)
     compiled_lib.check_budget(compiled, self._budget, self._name,
                               self._schedule)
     return compiled_lib.make_entry(args, prep, baking, compiled, self._plan)
@@ -459,7 +493,7 @@ def cxl_offload(fn: Callable | None = None, *,
                 out_shardings: Any = None, static_argnums: Any = None,
                 static_argnames: Any = None, donate_argnums: Any = None,
                 donate_argnames: Any = None, update: str = "device",
-                refetch: bool = True) -> Any:
+                refetch: bool | None = None) -> Any:
   """Rewrites a step so that its pool-resident state streams from the pool.
 
   Arguments holding ``PoolArray`` leaves (placed with ``jcxl.place``) are
@@ -517,13 +551,16 @@ def cxl_offload(fn: Callable | None = None, *,
       layer, the path predicted faster from measured rates (the link's,
       the host update's and the device's); other layers on the device.
       ``step.plan`` says where each layer's update ran, and why.
-    refetch: fetch a weight again for each later use far from the last
-      (its backward pass after its forward pass): the device holds a
-      layer's weights only while it computes with them (the default).
-      False: each weight comes in once a step and stays from its first use
-      to its last, 4 bytes per parameter less traffic (with
-      update='host', weights in and gradients out: 8 bytes per fp32
-      parameter) for the device memory of every weight in between.
+    refetch: True: fetch a weight again for each later use far from the
+      last (its backward pass after its forward pass): the device holds a
+      layer's weights only while it computes with them. False: each
+      weight comes in once a step and stays from its first use to its
+      last, 4 bytes per parameter less traffic (with update='host',
+      weights in and gradients out: 8 bytes per fp32 parameter) for the
+      device memory of every weight in between. None (the default): False
+      with update='host' where the compiled step then fits
+      `device_budget` (else True), True otherwise; ``step.plan.updates``
+      says which, and why.
 
   Returns:
     The rewritten step; ``step.plan`` is the per-layer plan it compiled
@@ -544,8 +581,9 @@ def cxl_offload(fn: Callable | None = None, *,
             parse_bytes(device_budget, name="device_budget"))
   parsed = schedule_lib.parse_schedule(schedule)
   host_update.check_mode(update)
-  if not isinstance(refetch, bool):
-    raise TypeError(f"refetch must be True or False, not {refetch!r}")
+  if refetch is not None and not isinstance(refetch, bool):
+    raise TypeError(f"refetch must be True or False (or None: chosen), "
+                    f"not {refetch!r}")
 
   def wrap(f):
     if not callable(f):
