@@ -548,6 +548,21 @@ class PlacedLeavesTest:
                                   jax.random.key_data(key))
     assert is_pool_array(placed["w"])
 
+  def test_a_helper_under_its_own_jit_fetches_placed_state(self, pool):
+    params = linen_state().params
+    placed = jcxl.place(params, "cxl", pool=pool)
+
+    @jax.jit
+    def head_norm(params, x):  # an eval helper, jitted on its own
+      h = jnp.tanh(jnp.dot(x, params["encoder"]["kernel"]) +
+                   jnp.asarray(params["encoder"]["bias"]))
+      return jnp.linalg.norm(h @ params["head"]["kernel"])
+
+    x = batches()[0]["x"]
+    np.testing.assert_allclose(head_norm(placed, x), head_norm(params, x),
+                               rtol=RTOL)
+    assert_close(placed, params)  # read, not written
+
   def test_parameter_count_idiom(self, pool):
     params = linen_state().params
     placed = jcxl.place(params, "cxl", pool=pool)

@@ -156,6 +156,11 @@ class PoolArray:
       pool.free(handle)
 
   def __jax_array__(self):
+    if isinstance(self.handles, jax.core.Tracer):
+      # Passed into a function under jax.jit (an eval helper): its value
+      # is fetched where the function needs it.
+      from jcxl._src import stream  # stream imports this module
+      return stream.fetch(self)
     raise TypeError(
         f"{self._what()} was used as an array inside traced code (closed "
         "over by a step?). Pass it to a jcxl.cxl_offload step as an "
