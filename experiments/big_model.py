@@ -89,10 +89,8 @@ LEARNING_RATE = 1e-6
 WARMUP_STEPS = 0
 
 FLAGS = flags.FlagValues()
-_N_EMBD = flags.DEFINE_integer("n_embd", 2560, "Model width.", lower_bound=8,
-                               flag_values=FLAGS)
-_N_LAYER = flags.DEFINE_integer("n_layer", 36, "Blocks.", lower_bound=1,
-                                flag_values=FLAGS)
+_N_EMBD = shared_flags.n_embd(FLAGS, default=2560, lower_bound=8)
+_N_LAYER = shared_flags.n_layer(FLAGS, default=36, lower_bound=1)
 _N_HEAD = flags.DEFINE_integer("n_head", 20, "Attention heads.",
                                lower_bound=1, flag_values=FLAGS)
 _SEQ_LEN = shared_flags.seq_len(FLAGS, default=64, lower_bound=1)

@@ -18,7 +18,7 @@ larger trainable models), measured on this machine. Five modes:
   (``schedule='dap'``), tuned during the untimed warmup rounds.
 
 Part 1, throughput and latency against model size: a byte-level GPT-2 of
---n_layer blocks at each width of --widths (``auto``: the widths whose
+--n_layer blocks at each width of --n_embds (``auto``: the widths whose
 state, held once per mode, fits in a share of this machine's memory). For
 each size every mode starts from the same weights and steps through the
 same batches in interleaved rounds (one step of each mode per round), so a
@@ -108,10 +108,10 @@ _fmt = exp_common.format_or_dash  # a table cell, "-" for None
 FLAGS = flags.FlagValues()
 _MODEL = flags.DEFINE_string("model", "gpt2", "Model family: "
                              f"{', '.join(MODELS)}.", flag_values=FLAGS)
-_N_LAYER = flags.DEFINE_integer("n_layer", 4, "Blocks per model.",
-                                flag_values=FLAGS)
-_WIDTHS = flags.DEFINE_list(
-    "widths", ["auto"], "Model widths of the sweep (multiples of 64), or "
+_N_LAYER = shared_flags.n_layer(FLAGS, default=4, help_text="Blocks per "
+                                "model.")
+_N_EMBDS = flags.DEFINE_list(
+    "n_embds", ["auto"], "Model widths of the sweep (multiples of 64), or "
     "'auto': those of 128-768 whose state fits in memory once per mode.",
     flag_values=FLAGS)
 _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to compare.",
@@ -183,10 +183,10 @@ class Config:
         raise ValueError(f"--modes: unknown mode {mode!r}; known: "
                          f"{', '.join(MODES)}")
     if not self.widths:
-      raise ValueError("--widths: no width left; pass some, or free memory")
+      raise ValueError("--n_embds: no width left; pass some, or free memory")
     for w in self.widths:
       if w < HEAD_DIM or w % HEAD_DIM:
-        raise ValueError(f"--widths: {w} is not a positive multiple of "
+        raise ValueError(f"--n_embds: {w} is not a positive multiple of "
                          f"{HEAD_DIM} (the head size)")
     for name, value in (("--n_layer", self.n_layer), ("--batch", self.batch),
                         ("--seq_len", self.seq_len),
@@ -233,15 +233,15 @@ def config_from_flags() -> Config:
     raise ValueError(f"--model: unknown model {model!r}; known: "
                      f"{', '.join(MODELS)}")
   modes = tuple(m.strip() for m in _MODES.value)
-  if _WIDTHS.value == ["auto"]:
+  if _N_EMBDS.value == ["auto"]:
     widths, source = _auto_widths(model, _N_LAYER.value, modes)
   else:
     try:
-      widths = tuple(int(w) for w in _WIDTHS.value)
+      widths = tuple(int(w) for w in _N_EMBDS.value)
     except ValueError:
-      raise ValueError(f"--widths must be integers or 'auto', got "
-                       f"{','.join(_WIDTHS.value)}") from None
-    source = "--widths"
+      raise ValueError(f"--n_embds must be integers or 'auto', got "
+                       f"{','.join(_N_EMBDS.value)}") from None
+    source = "--n_embds"
   run_dir = _RUN_DIR.value
   nvme_dir = _NVME_DIR.value or run_dir
   if not _NVME_DIR.value:

@@ -33,6 +33,20 @@ def _define(kind: str, name: str, default: Any, help_text: str,
   return define(name, default, help_text, flag_values=flag_values, **kwargs)
 
 
+def n_layer(flag_values: flags.FlagValues = flags.FLAGS, *,
+            default: int | None, help_text: str = "Blocks of the model.",
+            **kwargs) -> FlagHolder[int]:
+  return _define("integer", "n_layer", default, help_text, flag_values,
+                 **kwargs)
+
+
+def n_embd(flag_values: flags.FlagValues = flags.FLAGS, *,
+           default: int | None, help_text: str = "Width of the model.",
+           **kwargs) -> FlagHolder[int]:
+  return _define("integer", "n_embd", default, help_text, flag_values,
+                 **kwargs)
+
+
 def batch(flag_values: flags.FlagValues = flags.FLAGS, *,
           default: int | None, help_text: str = "Sequences per step.",
           **kwargs) -> FlagHolder[int]:

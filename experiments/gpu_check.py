@@ -37,8 +37,8 @@ records its error and the next part still runs.
                alone), jax_host, cxl_fixed, cxl_dap, and the transfer floor
                of the offloaded state (its bytes over the measured cxl
                bandwidth, each way).
-  host_update  experiments.host_update on the GPU (--layers blocks of
-               --width, 32000 tokens): cxl_offload(update='host') against
+  host_update  experiments.host_update on the GPU (--n_layer blocks of
+               --n_embd, 32000 tokens): cxl_offload(update='host') against
                update='device' and resident: step times (paired), bytes
                per parameter each way from the pool's counters, losses.
 
@@ -127,11 +127,10 @@ _FIRST_FETCH_HOST = flags.DEFINE_string(
     "first_fetch_host", None, "Host tier of first_fetch's pool (default "
     "64GiB, 1GiB with --dry_run; reserved, not committed).",
     flag_values=FLAGS)
-_WIDTH = flags.DEFINE_integer("width", None, "Model width for steps "
-                              "(default 1024, 64 with --dry_run).",
-                              flag_values=FLAGS)
-_LAYERS = flags.DEFINE_integer("layers", None, "Blocks for steps (default "
-                               "24, 2 with --dry_run).", flag_values=FLAGS)
+_N_EMBD = shared_flags.n_embd(FLAGS, default=None, help_text="Model width "
+                              "for steps (default 1024, 64 with --dry_run).")
+_N_LAYER = shared_flags.n_layer(FLAGS, default=None, help_text="Blocks for "
+                                "steps (default 24, 2 with --dry_run).")
 _BATCH = shared_flags.batch(FLAGS, default=None, help_text="Sequences per "
                             "step in steps (default 8, 2 with --dry_run).")
 _SEQ_LEN = shared_flags.seq_len(FLAGS, default=None, help_text="Tokens per "
@@ -170,8 +169,8 @@ class Config:
   scan_reps: int
   scan_heavy: int
   first_fetch_host: int
-  width: int
-  layers: int
+  n_embd: int
+  n_layer: int
   batch: int
   seq_len: int
   rounds: int
@@ -185,7 +184,7 @@ class Config:
     if self.transfer_bytes < 4096 or self.transfer_bytes % 4:
       raise ValueError("--transfer_bytes must be at least 4KiB and a "
                        f"multiple of 4, got {self.transfer_bytes}")
-    for name in ("width", "layers", "batch", "seq_len", "scan_dim",
+    for name in ("n_embd", "n_layer", "batch", "seq_len", "scan_dim",
                  "scan_reps", "scan_heavy"):
       if getattr(self, name) < 1:
         raise ValueError(f"--{name} must be positive, got "
@@ -193,12 +192,12 @@ class Config:
     if self.first_fetch_host < 2 * self.transfer_bytes:
       raise ValueError("--first_fetch_host must hold two transfers of "
                        f"--transfer_bytes, got {self.first_fetch_host}")
-    if self.width % compare.HEAD_DIM:
-      raise ValueError(f"--width must be a multiple of {compare.HEAD_DIM}, "
-                       f"got {self.width}")
-    if self.seq_len > compare.byte_gpt2(self.width, 1).n_ctx:
+    if self.n_embd % compare.HEAD_DIM:
+      raise ValueError(f"--n_embd must be a multiple of {compare.HEAD_DIM}, "
+                       f"got {self.n_embd}")
+    if self.seq_len > compare.byte_gpt2(self.n_embd, 1).n_ctx:
       raise ValueError(f"--seq_len must be at most "
-                       f"{compare.byte_gpt2(self.width, 1).n_ctx}")
+                       f"{compare.byte_gpt2(self.n_embd, 1).n_ctx}")
     exp_common.check_directory(self.nvme_dir, flag="--nvme_dir")
 
 
@@ -215,7 +214,7 @@ def config_from_flags() -> Config:
       scan_heavy=pick(_SCAN_HEAVY, 8, 2),
       first_fetch_host=parse_bytes(pick(_FIRST_FETCH_HOST, "64GiB", "1GiB"),
                                    name="--first_fetch_host"),
-      width=pick(_WIDTH, 1024, 64), layers=pick(_LAYERS, 24, 2),
+      n_embd=pick(_N_EMBD, 1024, 64), n_layer=pick(_N_LAYER, 24, 2),
       batch=pick(_BATCH, 8, 2), seq_len=pick(_SEQ_LEN, 256, 32),
       rounds=_ROUNDS.value,
       nvme_dir=_NVME_DIR.value or tempfile.gettempdir())
@@ -632,27 +631,27 @@ def transfer_floor_ms(state_bytes: int, result: dict[str, Any]
 def steps(config: Config, result: dict[str, Any]) -> dict[str, Any]:
   budget = 1 << 40  # no budget: steps compares speed, every mode must run
   cfg = compare.Config(
-      model="gpt2", n_layer=config.layers, widths=(config.width,),
+      model="gpt2", n_layer=config.n_layer, widths=(config.n_embd,),
       widths_source="gpu_check", modes=STEP_MODES, batch=config.batch,
       seq_len=config.seq_len, rounds=config.rounds,
       warmup=1 if config.dry_run else 2,
       tune_steps=3 if config.dry_run else 12,
       fixed_prefetch=1, device_budget=budget, pool_capacity=0,
       pool_capacity_source="per mode", cxl_link=jcxl.DEFAULT_CXL_LINK,
-      nvme_dir=config.nvme_dir, search=False, max_width=config.width, seed=0,
+      nvme_dir=config.nvme_dir, search=False, max_width=config.n_embd, seed=0,
       run_dir=config.run_dir)
   stream = data.load_stdlib_corpus().batches(
       "train", cfg.batch, cfg.seq_len, seed=0)
   batches = [next(stream) for _ in range(cfg.tune_steps + cfg.rounds)]
   before = _cuda_counters()
-  run = compare.run_size(cfg, config.width, batches)
+  run = compare.run_size(cfg, config.n_embd, batches)
   rows = run["rows"]
   modes = {r["mode"]: {k: r[k] for k in ("step_ms", "tokens_per_s",
                                          "max_loss_rel_diff", "skipped")}
            for r in rows}
   state_bytes = rows[0]["state_bytes"] if rows else 0
   floor, floor_source = transfer_floor_ms(state_bytes, result)
-  return {"model": (f"byte GPT-2, {config.layers} x {config.width} "
+  return {"model": (f"byte GPT-2, {config.n_layer} x {config.n_embd} "
                     f"({rows[0]['params']:,} parameters)" if rows else
                     "no rows"),
           "batch": config.batch, "seq_len": config.seq_len,
@@ -665,7 +664,7 @@ def steps(config: Config, result: dict[str, Any]) -> dict[str, Any]:
 def host_update(config: Config, _: dict[str, Any]) -> dict[str, Any]:
   """The near-memory update against the device update, on this device."""
   cfg = host_update_exp.Config(
-      n_layer=config.layers, n_embd=config.width,
+      n_layer=config.n_layer, n_embd=config.n_embd,
       vocab_size=512 if config.dry_run else 32000, seq_len=config.seq_len,
       batch=config.batch, rounds=config.rounds, link=jcxl.DEFAULT_CXL_LINK,
       seed=0, zoo_rounds=2, zoo_larger=False)  # the zoo's test sizes, briefly

@@ -82,11 +82,10 @@ from models import mlp
 from models import vit
 
 FLAGS = flags.FlagValues()
-_N_LAYER = flags.DEFINE_integer("n_layer", 8, "Blocks of the model.",
-                                lower_bound=1, flag_values=FLAGS)
-_N_EMBD = flags.DEFINE_integer("n_embd", 512, "Width of the model (a "
-                               "multiple of 64: heads of 64).",
-                               lower_bound=64, flag_values=FLAGS)
+_N_LAYER = shared_flags.n_layer(FLAGS, default=8, lower_bound=1)
+_N_EMBD = shared_flags.n_embd(FLAGS, default=512, help_text="Width of the "
+                              "model (a multiple of 64: heads of 64).",
+                              lower_bound=64)
 _VOCAB = flags.DEFINE_integer("vocab_size", 32000, "Tokens in the "
                               "vocabulary.", lower_bound=2,
                               flag_values=FLAGS)

@@ -8,7 +8,7 @@ need is temporaries + arguments + outputs - aliased bytes, the sum
 
 1. GPT-2 `--model` (default GPT-2 small) at `--batch` x `--seq_len`:
    the resident step (``jax.jit``, parameters and optimizer state donated)
-   and the ``cxl_offload`` step once per `--schedule` ('fixed:k'), with the
+   and the ``cxl_offload`` step once per `--schedules` ('fixed:k'), with the
    state placed in the pool's `--tier` by ``jcxl.place`` (zeros: the numbers
    depend on shapes only). Checked, PASS/FAIL:
 
@@ -48,7 +48,7 @@ Command line (the defaults; about 5 minutes and 2 GiB of memory on a
 shared 2-core machine):
 
   python -m experiments.max_model --model=small --batch=1 --seq_len=128 \
-      --schedule=fixed:0,fixed:1,fixed:2 --search_schedule=fixed:1 \
+      --schedules=fixed:0,fixed:1,fixed:2 --search_schedule=fixed:1 \
       --tier=cxl --device_budget=2GiB --pool_capacity=auto --family=width \
       --max_width=4096 --json_out=runs/max_model.json
 """
@@ -97,9 +97,9 @@ _MODEL = flags.DEFINE_string(
     "model", "small",
     f"GPT-2 preset, one of {', '.join(gpt2.PRESETS)}; also the family's "
     "starting point.", flag_values=FLAGS)
-_N_LAYER = flags.DEFINE_integer(
-    "n_layer", None, "Blocks of the model; default: the preset's.",
-    lower_bound=1, flag_values=FLAGS)
+_N_LAYER = shared_flags.n_layer(
+    FLAGS, default=None, help_text="Blocks of the model; default: the "
+    "preset's.", lower_bound=1)
 _BATCH = shared_flags.batch(FLAGS, default=1, lower_bound=1)
 _SEQ_LEN = shared_flags.seq_len(
     FLAGS, default=128, help_text="Tokens per sequence (at most the model's "
@@ -108,8 +108,8 @@ _SCAN_LAYERS = flags.DEFINE_boolean(
     "scan_layers", False,
     "Stack the blocks and apply them with lax.scan instead of unrolling.",
     flag_values=FLAGS)
-_SCHEDULE = flags.DEFINE_list(
-    "schedule", ["fixed:0", "fixed:1", "fixed:2"],
+_SCHEDULES = flags.DEFINE_list(
+    "schedules", ["fixed:0", "fixed:1", "fixed:2"],
     "Offloaded schedules ('fixed:k' or 'sync') to compile the model with.",
     flag_values=FLAGS)
 _SEARCH_SCHEDULE = flags.DEFINE_string(
@@ -193,7 +193,7 @@ class Config:
       raise ValueError(f"--seq_len must be at most the model's n_ctx "
                        f"({self.model.n_ctx}), but got {self.seq_len}")
     if not self.prefetch:
-      raise ValueError("--schedule must name at least one 'fixed:k'")
+      raise ValueError("--schedules must name at least one 'fixed:k'")
     size = sizes(self.model)
     if self.device_budget < size.block_bytes:
       raise ValueError(
@@ -242,7 +242,7 @@ def config_from_flags() -> Config:
   return Config(
       model_name=_MODEL.value, model=model, batch=_BATCH.value,
       seq_len=_SEQ_LEN.value,
-      prefetch=tuple(_prefetch(s, "--schedule") for s in _SCHEDULE.value),
+      prefetch=tuple(_prefetch(s, "--schedules") for s in _SCHEDULES.value),
       search_prefetch=_prefetch(_SEARCH_SCHEDULE.value, "--search_schedule"),
       tier=tier, nvme_dir=_NVME_DIR.value,
       device_budget=parse_bytes(_DEVICE_BUDGET.value, name="--device_budget"),

@@ -1,6 +1,6 @@
 r"""Stream overlap: layers fed from the emulated cxl tier vs resident weights.
 
-A chain of `--layers` dense layers (``h = tanh(h @ w_i)``, float32 [D, D]
+A chain of `--n_layer` dense layers (``h = tanh(h @ w_i)``, float32 [D, D]
 weights) runs three ways in one run, on the same inputs:
 
 * resident: ``lax.scan`` over weights already on the device;
@@ -44,7 +44,7 @@ Acceptance targets, printed as PASS/FAIL lines:
 Command line (the defaults; under a minute on a 2-core machine, up to two
 under heavy load):
 
-  python experiments/stream_overlap.py --layers=16 --dim=1024 --batch=256 \
+  python experiments/stream_overlap.py --n_layer=16 --dim=1024 --batch=256 \
       --prefetch=1,2 --repeats=20 --copy_threads=2 --link_latency_us=2 \
       --fetch_iters=2000 --json_out=runs/stream_overlap.json
 """
@@ -80,9 +80,9 @@ from jcxl.units import format_bytes
 # --repeats, --batch, --dry_run and --json_out too. ``parse_flags`` reads
 # them, then absl's own (logging, --only_check_args).
 FLAGS = flags.FlagValues()
-_LAYERS = flags.DEFINE_integer(
-    "layers", 16, "Layers in the chain (stacked weights [L, D, D]).",
-    lower_bound=2, flag_values=FLAGS)
+_N_LAYER = shared_flags.n_layer(
+    FLAGS, default=16, help_text="Layers in the chain (stacked weights "
+    "[L, D, D]).", lower_bound=2)
 _DIM = flags.DEFINE_integer(
     "dim", 1024, "Width D of each layer (weights D x D float32).",
     lower_bound=1, flag_values=FLAGS)
@@ -91,7 +91,7 @@ _BATCH = shared_flags.batch(
     "compute per layer.", lower_bound=1)
 _PREFETCH = flags.DEFINE_list(
     "prefetch", ["1", "2"],
-    "Prefetch distances to time (each >= 1 and < --layers); the synchronous "
+    "Prefetch distances to time (each >= 1 and < --n_layer); the synchronous "
     "chain (prefetch 0) is always timed.",
     flag_values=FLAGS)
 _REPEATS = flags.DEFINE_integer(
@@ -115,7 +115,7 @@ OVERLAP_LIMIT = 1.15  # streamed step time / resident step time, at most
 SPEEDUP_LIMIT = 1.6  # sync step time / streamed step time, at least
 DISPATCH_LIMIT_US = 20.0  # per 4 KiB fetch, at most
 FETCH_BYTES = 4096
-DRY_RUN_SIZES = {"layers": 4, "dim": 64, "batch": 8, "repeats": 1,
+DRY_RUN_SIZES = {"n_layer": 4, "dim": 64, "batch": 8, "repeats": 1,
                  "fetch_iters": 50}
 # Calibration repeats: enough to find a quiet moment on a shared machine.
 _CALIBRATION_REPEATS = 5
@@ -131,7 +131,7 @@ _DTYPE = np.float32
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
   """What one run measures."""
-  layers: int
+  n_layer: int
   dim: int
   batch: int
   prefetch: tuple[int, ...]
@@ -153,11 +153,11 @@ class Config:
     if len(set(self.prefetch)) != len(self.prefetch):
       raise ValueError(f"--prefetch names a distance twice: "
                        f"{','.join(map(str, self.prefetch))}")
-    bad = [k for k in self.prefetch if not 1 <= k < self.layers]
+    bad = [k for k in self.prefetch if not 1 <= k < self.n_layer]
     if bad:
       raise ValueError(
-          f"--prefetch distances must be >= 1 and < --layers "
-          f"({self.layers}), but got {','.join(map(str, bad))}; the "
+          f"--prefetch distances must be >= 1 and < --n_layer "
+          f"({self.n_layer}), but got {','.join(map(str, bad))}; the "
           "synchronous chain (0) is always measured")
     common.check_json_out(self.json_out, "runs/stream_overlap.json")
 
@@ -173,11 +173,11 @@ def config_from_flags() -> Config:
   except ValueError:
     raise ValueError(f"--prefetch must be a list of integers such as 1,2, "
                      f"but got {','.join(_PREFETCH.value)!r}") from None
-  sizes = dict(layers=_LAYERS.value, dim=_DIM.value, batch=_BATCH.value,
+  sizes = dict(n_layer=_N_LAYER.value, dim=_DIM.value, batch=_BATCH.value,
                repeats=_REPEATS.value, fetch_iters=_FETCH_ITERS.value)
   if _DRY_RUN.value:
     sizes = dict(DRY_RUN_SIZES)
-    prefetch = tuple(k for k in prefetch if k < sizes["layers"]) or (1,)
+    prefetch = tuple(k for k in prefetch if k < sizes["n_layer"]) or (1,)
   return Config(prefetch=prefetch, copy_threads=_COPY_THREADS.value,
                 link_latency_s=_LINK_LATENCY_US.value * 1e-6,
                 json_out=_JSON_OUT.value, dry_run=_DRY_RUN.value, **sizes)
@@ -309,9 +309,9 @@ def _measure_overlap(pool: jcxl.Pool, config: Config,
   # Calibration: the link moves one layer while one layer computes.
   calibration = bench.best_of(
       lambda: calls["resident"]().block_until_ready(),
-      nbytes=config.layers * config.layer_bytes,
+      nbytes=config.n_layer * config.layer_bytes,
       repeats=max(config.repeats, _CALIBRATION_REPEATS))
-  compute_s = calibration.best_s / config.layers
+  compute_s = calibration.best_s / config.n_layer
   source = f"best of {len(calibration.seconds)} resident steps"
   for attempt in range(1 + _RECALIBRATIONS):
     link = jcxl.LinkModel(bandwidth=config.layer_bytes / compute_s,
@@ -327,11 +327,11 @@ def _measure_overlap(pool: jcxl.Pool, config: Config,
              for name, call in calls.items()}
     timed[_WITH_COPIES] = resident_with_copies
     timings = bench.interleaved(
-        timed, nbytes=config.layers * config.layer_bytes,
+        timed, nbytes=config.n_layer * config.layer_bytes,
         repeats=config.repeats)
     # On a shared machine the load may change between the calibration and
     # the timed turns; the link must match the compute the turns saw.
-    timed_s = timings["resident"].best_s / config.layers
+    timed_s = timings["resident"].best_s / config.n_layer
     if abs(timed_s / compute_s - 1) <= _CALIBRATION_TOLERANCE:
       break
     if attempt < _RECALIBRATIONS:
@@ -389,7 +389,7 @@ def _measure_dispatch(pool: jcxl.Pool, config: Config) -> Dispatch:
   """Times a loop of 4 KiB fetches against the same loop over a resident
   array."""
   n = FETCH_BYTES // np.dtype(_DTYPE).itemsize
-  rows = config.layers
+  rows = config.n_layer
   table = np.random.default_rng(1).standard_normal((rows, n)).astype(_DTYPE)
   pooled = place(table, "host", pool=pool)
   resident = jnp.asarray(table)
@@ -483,12 +483,12 @@ def run(config: Config) -> dict[str, Any]:
   """Runs both measurements; prints the report, returns the results."""
   machine = bench.describe_machine()
   rng = np.random.default_rng(0)
-  weights = (rng.standard_normal((config.layers, config.dim, config.dim))
+  weights = (rng.standard_normal((config.n_layer, config.dim, config.dim))
              / np.sqrt(config.dim)).astype(_DTYPE)
   x = jnp.asarray(rng.standard_normal((config.batch, config.dim))
                   .astype(_DTYPE))
   header = [
-      f"jcxl stream overlap: {config.layers} layers tanh(h @ w), "
+      f"jcxl stream overlap: {config.n_layer} layers tanh(h @ w), "
       f"h [{config.batch}, {config.dim}], w [{config.dim}, {config.dim}] "
       f"float32 ({format_bytes(config.layer_bytes)} per layer); best of "
       f"{config.repeats}, variants taking turns, compile excluded; copy "
@@ -500,8 +500,8 @@ def run(config: Config) -> dict[str, Any]:
                   "nothing")
   print("\n".join(header), flush=True)
   with jcxl.Pool(
-      host=config.layers * FETCH_BYTES + _TIER_SLACK,
-      cxl=config.layers * config.layer_bytes + _TIER_SLACK,
+      host=config.n_layer * FETCH_BYTES + _TIER_SLACK,
+      cxl=config.n_layer * config.layer_bytes + _TIER_SLACK,
       copy_threads=config.copy_threads) as pool:
     overlap = _measure_overlap(pool, config, weights, x)
     dispatch = _measure_dispatch(pool, config)
@@ -512,9 +512,9 @@ def run(config: Config) -> dict[str, Any]:
   wire = [t.mean_wire_s for t in overlap["traces"] if t.transfers]
   wire_s = sorted(wire)[len(wire) // 2] if wire else 0.0
   balance = (f"balance: one layer's transfer took {wire_s * 1e3:.2f} ms "
-             f"(copy engine records) vs {resident_s / config.layers * 1e3:.2f}"
+             f"(copy engine records) vs {resident_s / config.n_layer * 1e3:.2f}"
              " ms of compute per layer (resident best above); 1.0 is the "
-             f"intended balance, got {wire_s * config.layers / resident_s:.2f}")
+             f"intended balance, got {wire_s * config.n_layer / resident_s:.2f}")
   with_copies_s = overlap["with_copies"].best_s
   best_s = min(r.timing.best_s for r in rows if r.prefetch)
   floor_s = with_copies_s + wire_s  # the first layer's fetch: unoverlapped
@@ -542,7 +542,7 @@ def run(config: Config) -> dict[str, Any]:
                       "link": format_bandwidth(overlap["link"].bandwidth),
                       "link_latency_s": overlap["link"].latency_s,
                       "transfer_per_layer_s": wire_s,
-                      "transfer_over_compute": wire_s * config.layers /
+                      "transfer_over_compute": wire_s * config.n_layer /
                       resident_s},
       "rows": [r.to_json(resident_s, sync_s) for r in rows],
       "floor": {"resident_with_copies": overlap["with_copies"].to_json(),

@@ -15,7 +15,7 @@ def config(experiment):
   return experiment(compare)
 
 
-SMALL = ("--n_layer=2", "--widths=64,128", "--rounds=2", "--warmup=1",
+SMALL = ("--n_layer=2", "--n_embds=64,128", "--rounds=2", "--warmup=1",
          "--tune_steps=4", "--batch=2", "--seq_len=16")
 
 
@@ -61,8 +61,8 @@ class CompareExperimentTest:
   @pytest.mark.parametrize("args, message", [
       (["--model=bert"], "unknown model 'bert'"),
       (["--modes=resident,zero"], "unknown mode 'zero'"),
-      (["--widths=100"], "not a positive multiple of 64"),
-      (["--widths=64", "--device_budget=1KiB"], "smaller than one layer"),
+      (["--n_embds=100"], "not a positive multiple of 64"),
+      (["--n_embds=64", "--device_budget=1KiB"], "smaller than one layer"),
       (["--nvme_dir=/nonexistent/jcxl"], "does not exist"),
       (["--link_bandwidth=fast"], "--link_bandwidth"),
   ])

@@ -157,8 +157,8 @@ def test_without_a_gpu_it_asks_for_dry_run(experiment, tmp_path):
 def test_bad_flags_are_refused(experiment):
   with pytest.raises(app.UsageError, match="--transfer_bytes"):
     experiment(gpu_check)("--dry_run", "--transfer_bytes=100")
-  with pytest.raises(app.UsageError, match="--width"):
-    experiment(gpu_check)("--dry_run", "--transfer_bytes=1MiB", "--width=100")
+  with pytest.raises(app.UsageError, match="--n_embd"):
+    experiment(gpu_check)("--dry_run", "--transfer_bytes=1MiB", "--n_embd=100")
   with pytest.raises(app.UsageError, match="--scan_reps"):
     experiment(gpu_check)("--dry_run", "--scan_reps=0")
   with pytest.raises(app.UsageError, match="--parts"):

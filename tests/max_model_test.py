@@ -38,7 +38,7 @@ class MaxModelTest:
   def test_offloaded_fits_a_larger_model_than_resident(self, run_program,
                                                        tmp_path, capsys):
     json_out = tmp_path / "max_model.json"
-    run_program(*TINY, "--schedule=fixed:0", "--search_schedule=fixed:0",
+    run_program(*TINY, "--schedules=fixed:0", "--search_schedule=fixed:0",
                 "--device_budget=1.5MiB", "--pool_capacity=3MiB",
                 "--max_layers=4", f"--json_out={json_out}")
     text = capsys.readouterr().out
@@ -142,7 +142,7 @@ class MaxModelTest:
       (["--device_budget=64KiB"],
        r"--device_budget \(64.00 KiB\) is smaller than one block's weights"),
       (["--tier=gpu"], "--tier must be one of 'host', 'cxl', 'nvme', but got"),
-      (["--schedule=dap"], "--schedule must be 'fixed:k'"),
+      (["--schedules=dap"], "--schedules must be 'fixed:k'"),
       (["--search_schedule=fixed:-1"], "--search_schedule must be 'fixed:k'"),
       (["--model=huge"], "--model: name must be one of"),
       (["--family=breadth"], "--family must be one of width, depth"),

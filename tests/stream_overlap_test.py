@@ -48,15 +48,15 @@ class StreamOverlapTest:
                 "--link_latency_us=3")
     text = capsys.readouterr().out
     results = json.loads(json_out.read_text())
-    assert results["config"]["layers"] == stream_overlap.DRY_RUN_SIZES[
-        "layers"]
+    assert results["config"]["n_layer"] == stream_overlap.DRY_RUN_SIZES[
+        "n_layer"]
     names = [r["name"] for r in results["rows"]]
     assert names == ["resident", "prefetch=1", "prefetch=2",
                      "sync (prefetch=0)"]
     assert all(r["bit_identical"] for r in results["rows"])
     assert all(r["timing"]["best_s"] > 0 for r in results["rows"])
     # Every fetch of every streamed variant shows up in the trace.
-    layers = results["config"]["layers"]
+    layers = results["config"]["n_layer"]
     assert [t["transfers"] for t in results["traces"]] == [layers] * 3
     # The link was set from the measured compute: one layer per layer time.
     calibration = results["calibration"]
@@ -102,8 +102,8 @@ class StreamOverlapTest:
       (["--prefetch=one"], "--prefetch must be a list of integers"),
       (["--prefetch="], "--prefetch must name at least one"),
       (["--prefetch=1,1"], "--prefetch names a distance twice"),
-      (["--prefetch=0"], "--prefetch distances must be >= 1 and < --layers"),
-      (["--prefetch=16", "--layers=16"], "--prefetch distances must be"),
+      (["--prefetch=0"], "--prefetch distances must be >= 1 and < --n_layer"),
+      (["--prefetch=16", "--n_layer=16"], "--prefetch distances must be"),
   ])
   def test_bad_flags_are_rejected(self, run_program, args, match):
     with pytest.raises(app.UsageError, match=match):
@@ -117,11 +117,11 @@ class StreamOverlapTest:
     saved = flagsaver.save_flag_values(stream_overlap.FLAGS)
     try:
       with pytest.raises(SystemExit) as exit_info:
-        stream_overlap.parse_flags(["stream_overlap", "--layers=1"])
+        stream_overlap.parse_flags(["stream_overlap", "--n_layer=1"])
     finally:
       flagsaver.restore_flag_values(saved, stream_overlap.FLAGS)
     assert exit_info.value.code == 1
-    assert "--layers=1" in capsys.readouterr().err
+    assert "--n_layer=1" in capsys.readouterr().err
 
   def test_imports_next_to_the_other_experiments(self):
     # They define --repeats, --batch, --dry_run, --json_out in absl's global
