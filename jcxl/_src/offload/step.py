@@ -504,8 +504,11 @@ def cxl_offload(fn: Callable | None = None, *,
   state argument the step returns nothing of that kind for is read-only
   (an eval step returning metrics). Pool-resident leaves a step updates in
   place (an NNX module, with the step returning None) are written back
-  too. ``pinned_host`` leaves move with JAX's own memory-kind transfers;
-  other leaves are passed as they are.
+  too, and so are NNX Variables off the pool (metrics), into the caller's
+  Variables, as under ``nnx.jit``; the step gets containers of its own, as
+  under ``jax.jit``, so what it pops from or adds to a plain container is
+  not handed back. ``pinned_host`` leaves move with JAX's own memory-kind
+  transfers; other leaves are passed as they are.
 
   Example:
     >>> params = jcxl.place(params, "cxl", pool=pool)
