@@ -145,9 +145,10 @@ class TrainState(train_state.TrainState):
   dropout_rng: jnp.ndarray
 
 
-def create_learning_rate_fn(train_ds_size: int, train_batch_size: int,
-                            num_train_epochs: int, num_warmup_steps: int,
-                            learning_rate: float) -> Callable[[int], jnp.ndarray]:
+def create_learning_rate_fn(
+    train_ds_size: int, train_batch_size: int, num_train_epochs: int,
+    num_warmup_steps: int, learning_rate: float
+) -> Callable[[int], jnp.ndarray]:
   steps_per_epoch = train_ds_size // train_batch_size
   num_train_steps = steps_per_epoch * num_train_epochs
   warmup_fn = optax.linear_schedule(init_value=0.0, end_value=learning_rate,
@@ -320,8 +321,8 @@ EXAMPLES = {
 
 
 def run(example, step):
-  """`example`'s 20 steps under `step`, from `state`'s start (placed by
-  `place`): the final state and every step's other results."""
+  """`example`'s 20 steps under `step`, from the example's start: the
+  final state and every step's other results."""
   make_state, _ = EXAMPLES[example]
   state, data = make_state()
   rng = jax.random.PRNGKey(2)  # run_mlm_flax's, passed beside the state
