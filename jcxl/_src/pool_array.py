@@ -23,6 +23,11 @@ from jcxl._src.pool import Tier
 from jcxl._src.units import format_bytes
 
 
+# jcxl.fetch, set by stream.py (which imports this module, so this one
+# cannot import it back): what a PoolArray under jax.jit becomes.
+fetch_traced: list[Any] = []
+
+
 def device_grid(sharding: jax.sharding.Sharding
                 ) -> tuple[np.ndarray, jax.sharding.Sharding]:
   """The devices of `sharding` as a grid, and the sharding of a handle grid.
@@ -156,11 +161,10 @@ class PoolArray:
       pool.free(handle)
 
   def __jax_array__(self):
-    if isinstance(self.handles, jax.core.Tracer):
+    if isinstance(self.handles, jax.core.Tracer) and fetch_traced:
       # Passed into a function under jax.jit (an eval helper): its value
       # is fetched where the function needs it.
-      from jcxl._src import stream  # stream imports this module
-      return stream.fetch(self)
+      return fetch_traced[0](self)
     raise TypeError(
         f"{self._what()} was used as an array inside traced code (closed "
         "over by a step?). Pass it to a jcxl.cxl_offload step as an "

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcxl._src import errors
+from jcxl._src import pool_array as pool_array_lib
 from jcxl._src import registry
 from jcxl._src import validation
 from jcxl._src.pool_array import PoolArray
@@ -300,6 +301,9 @@ def fetch(x: PoolArray, index: Any = None, *, after: Any = None,
   if wrt is None:
     return _fetch(x, index, after, priority, chunk_bytes)
   return _fetch_wrt(x, wrt, index, after, priority, chunk_bytes)
+
+
+pool_array_lib.fetch_traced[:] = [fetch]  # see PoolArray.__jax_array__
 
 
 def _store_start_call(handle, index, value, after, *, pool_id, stacked,
