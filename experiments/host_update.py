@@ -7,10 +7,13 @@ with fp32 adamw three ways in one run, on the same batches:
 * resident: the plain step under ``jax.jit``, everything on the device;
 * device: ``cxl_offload(update='device')``, parameters and adamw state in
   the pool's cxl tier, the update in the step (state streamed in and out);
-* host: ``cxl_offload(update='host')``, the same state, the update run by
-  the pool's host kernels in place; only gradients leave the device;
-* host_once: the same with ``refetch=False``: each weight comes in once a
-  step and stays on the device from its forward to its backward use.
+* host: ``cxl_offload(update='host', refetch=True)``, the same state, the
+  update run by the pool's host kernels in place; only gradients leave the
+  device; each weight is fetched again for the backward pass;
+* host_once: the same with ``refetch=False`` (what ``update='host'``
+  chooses by default where the kept weights fit the device budget): each
+  weight comes in once a step and stays on the device from its forward to
+  its backward use.
 
 Then, with the update on the device and on the host (weights fetched once
 a step), the same GPT computing in bfloat16 from float32 master weights
@@ -344,8 +347,9 @@ def run(config: Config) -> dict[str, Any]:
         "device": _Mode("device", jcxl.cxl_offload(
             train_step, update="device"), place(params),
             place(tx.init(params))),
-        "host": _Mode("host", jcxl.cxl_offload(train_step, update="host"),
-                      place(params), place(tx.init(params))),
+        "host": _Mode("host", jcxl.cxl_offload(
+            train_step, update="host", refetch=True), place(params),
+                      place(tx.init(params))),
         "host_once": _Mode("host_once", jcxl.cxl_offload(
             train_step, update="host", refetch=False), place(params),
                            place(tx.init(params))),
