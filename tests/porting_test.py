@@ -34,7 +34,9 @@ def is_pool_array(x):
   return isinstance(x, jcxl.PoolArray)
 
 
-def assert_close(got, want):
+def assert_close(got, want, rtol=RTOL, atol=ATOL):
+  """Two trees (placed or not) equal leaf for leaf within rtol/atol, of the
+  same structure and dtypes."""
   got, want = jcxl.gather(got), jcxl.gather(want)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -42,8 +44,8 @@ def assert_close(got, want):
     if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
       g, w = jax.random.key_data(g), jax.random.key_data(w)
     assert g.dtype == w.dtype, (g.dtype, w.dtype)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=RTOL,
-                               atol=ATOL)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol,
+                               atol=atol)
 
 
 def batches(n=STEPS, seed=0):

@@ -28,6 +28,8 @@ import numpy as np
 import optax
 import pytest
 
+from tests import porting_test
+
 STEPS = 20
 BATCH, LENGTH, VOCAB, WIDTH = 4, 8, 32, 16
 RTOL, ATOL = 1e-6, 1e-7  # relative, with a floor for values near zero
@@ -44,12 +46,7 @@ def is_pool_array(x):
 
 
 def assert_close(got, want):
-  got, want = jcxl.gather(got), jcxl.gather(want)
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    assert g.dtype == w.dtype, (g.dtype, w.dtype)
-    np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+  porting_test.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 # ------------------------------------------------------------ tiny models
