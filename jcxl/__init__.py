@@ -14,6 +14,7 @@ from jcxl._src.errors import JcxlError as JcxlError
 from jcxl._src.errors import PoolClosedError as PoolClosedError
 from jcxl._src.errors import PoolExhaustedError as PoolExhaustedError
 from jcxl._src.errors import PoolMismatchError as PoolMismatchError
+from jcxl._src.errors import StepMismatchError as StepMismatchError
 from jcxl._src.errors import TierIOError as TierIOError
 from jcxl._src.errors import TransferTimeoutError as TransferTimeoutError
 from jcxl._src.errors import UnknownHandleError as UnknownHandleError
@@ -51,6 +52,7 @@ __all__ = [
     "PoolClosedError",
     "PoolExhaustedError",
     "PoolMismatchError",
+    "StepMismatchError",
     "TierIOError",
     "TransferTimeoutError",
     "UnknownHandleError",
