@@ -17,6 +17,7 @@
 
 #include "arena.h"
 #include "check.h"
+#include "copy_fixtures.h"
 #include "test_util.h"
 #include "link_model.h"
 
@@ -91,25 +92,6 @@ class TestArena : public Arena {
   int entered_ = 0;
   std::atomic<uint64_t> fail_at_{UINT64_MAX};
 };
-
-std::unique_ptr<MemoryArena> NewMemoryArena(uint64_t bytes) {
-  StatusOr<std::unique_ptr<MemoryArena>> arena = MemoryArena::Create(bytes, {});
-  CHECK_OK(arena);
-  return std::move(*arena);
-}
-
-TransferRequest Request(Arena* arena, uint64_t offset, void* buffer,
-                        uint64_t bytes, Direction direction,
-                        int priority = 0) {
-  TransferRequest request;
-  request.arena = arena;
-  request.arena_offset = offset;
-  request.buffer = buffer;
-  request.bytes = bytes;
-  request.direction = direction;
-  request.priority = priority;
-  return request;
-}
 
 void CheckRecordTimes(const TransferRecord& record) {
   CHECK_GT(record.queued_ns, 0);

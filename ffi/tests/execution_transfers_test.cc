@@ -18,6 +18,7 @@
 #include "arena.h"
 #include "check.h"
 #include "copy_engine.h"
+#include "copy_fixtures.h"
 #include "link_model.h"
 #include "test_util.h"
 
@@ -26,21 +27,11 @@ namespace {
 
 constexpr uint64_t kArenaBytes = 4 * kMiB;
 
-std::unique_ptr<MemoryArena> NewArena() {
-  StatusOr<std::unique_ptr<MemoryArena>> arena =
-      MemoryArena::Create(kArenaBytes, {});
-  CHECK_OK(arena);
-  return std::move(*arena);
-}
+std::unique_ptr<MemoryArena> NewArena() { return NewMemoryArena(kArenaBytes); }
 
 TransferRequest Copy(Arena* arena, LinkModel* link, uint64_t offset,
                      void* buffer, uint64_t bytes, Direction direction) {
-  TransferRequest request;
-  request.arena = arena;
-  request.arena_offset = offset;
-  request.buffer = buffer;
-  request.bytes = bytes;
-  request.direction = direction;
+  TransferRequest request = Request(arena, offset, buffer, bytes, direction);
   request.link = link;
   request.chunk_bytes = 16 * kKiB;
   request.label = "test object";
