@@ -269,6 +269,22 @@ void BindUpdatePrograms(nb::module_& m) {
       .def_ro("outputs", &UpdateProgram::outputs)
       .def_ro("flush_denormals", &UpdateProgram::flush_denormals);
 
+  // The table of ops (update_ops.h), from which jcxl/_src/update_program.py
+  // builds its UpdateOp and map of JAX primitives.
+  m.def(
+      "update_ops",
+      [] {
+        nb::list ops;
+        for (const UpdateOpInfo& info : kUpdateOps) {
+          ops.append(nb::make_tuple(info.enumerator, info.name,
+                                    static_cast<int32_t>(info.op), info.arity,
+                                    info.traced));
+        }
+        return ops;
+      },
+      "The update-program ops: (enumerator, name, code, arity, traced) each, "
+      "in code order.");
+
   m.def(
       "validate_update_program",
       [](const UpdateProgram& program) {

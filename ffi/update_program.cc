@@ -195,6 +195,8 @@ JCXL_INLINE void IntPow(const float* a, float* __restrict r,
   }
 }
 
+// The kernels: one case per op of update_ops.h (no default: this file is
+// built with -Werror=switch, so an op without its kernel fails to compile).
 // r = instr(a, b, c) over n lanes (unused operands may be null; a binary
 // op's `scalar` operand is one float); `scratch` holds n floats. `flush`:
 // the program flushes subnormals (the arithmetic does so in hardware; the
@@ -332,43 +334,10 @@ JCXL_INLINE void Apply(const UpdateInstr& instr, const float* a,
   if (instr.dtype == UpdateDType::kBF16) RoundBF16InPlace(r, n);
 }
 
+// 0: not an op.
 int ArityOf(UpdateOp op) {
-  using Op = UpdateOp;
-  switch (op) {
-    case Op::kNeg:
-    case Op::kAbs:
-    case Op::kSign:
-    case Op::kSqrt:
-    case Op::kRsqrt:
-    case Op::kSquare:
-    case Op::kIntPow:
-    case Op::kNot:
-    case Op::kConvert:
-    case Op::kCopy:
-      return 1;
-    case Op::kAdd:
-    case Op::kSub:
-    case Op::kMul:
-    case Op::kDiv:
-    case Op::kMax:
-    case Op::kMin:
-    case Op::kEq:
-    case Op::kNe:
-    case Op::kLt:
-    case Op::kLe:
-    case Op::kGt:
-    case Op::kGe:
-    case Op::kAnd:
-    case Op::kOr:
-      return 2;
-    case Op::kSelect:
-    case Op::kClamp:
-    case Op::kFma:
-    case Op::kFms:
-    case Op::kFnma:
-      return 3;
-  }
-  return 0;  // not an op
+  const UpdateOpInfo* info = FindUpdateOp(op);
+  return info == nullptr ? 0 : info->arity;
 }
 
 int32_t OperandOf(const UpdateInstr& instr, int i) {
@@ -573,39 +542,8 @@ Plan::Plan(const UpdateProgram& p, const std::vector<UpdateArray>& in,
 }  // namespace
 
 const char* UpdateOpName(UpdateOp op) {
-  using Op = UpdateOp;
-  switch (op) {
-    case Op::kAdd: return "add";
-    case Op::kSub: return "sub";
-    case Op::kMul: return "mul";
-    case Op::kDiv: return "div";
-    case Op::kMax: return "max";
-    case Op::kMin: return "min";
-    case Op::kNeg: return "neg";
-    case Op::kAbs: return "abs";
-    case Op::kSign: return "sign";
-    case Op::kSqrt: return "sqrt";
-    case Op::kRsqrt: return "rsqrt";
-    case Op::kSquare: return "square";
-    case Op::kIntPow: return "integer_pow";
-    case Op::kSelect: return "select_n";
-    case Op::kClamp: return "clamp";
-    case Op::kEq: return "eq";
-    case Op::kNe: return "ne";
-    case Op::kLt: return "lt";
-    case Op::kLe: return "le";
-    case Op::kGt: return "gt";
-    case Op::kGe: return "ge";
-    case Op::kAnd: return "and";
-    case Op::kOr: return "or";
-    case Op::kNot: return "not";
-    case Op::kConvert: return "convert_element_type";
-    case Op::kCopy: return "copy";
-    case Op::kFma: return "fma";
-    case Op::kFms: return "fms";
-    case Op::kFnma: return "fnma";
-  }
-  return "?";
+  const UpdateOpInfo* info = FindUpdateOp(op);
+  return info == nullptr ? "?" : info->name;
 }
 
 Status ValidateUpdateProgram(const UpdateProgram& program) {
@@ -666,8 +604,7 @@ Status ValidateUpdateProgram(const UpdateProgram& program) {
     if (arity == 0) {
       return Invalid(where + ": unknown op " +
                      std::to_string(static_cast<int32_t>(instr.op)) +
-                     " (ops are 0.." +
-                     std::to_string(static_cast<int32_t>(UpdateOp::kFnma)) +
+                     " (ops are 0.." + std::to_string(kNumUpdateOps - 1) +
                      ")");
     }
     if (instr.dtype != UpdateDType::kF32 && instr.dtype != UpdateDType::kBF16 &&

@@ -30,44 +30,60 @@
 #include <vector>
 
 #include "status.h"
+#include "update_ops.h"
 
 namespace jcxl {
 
 enum class UpdateDType : int32_t { kF32 = 0, kBF16 = 1, kBool = 2 };
 
-// Operations, by the name of the JAX primitive they implement. Operands
-// a, b, c are register numbers (-1: unused).
+// Operations, by the name of the JAX primitive they implement (the table
+// and what each op computes: update_ops.h). Operands a, b, c are register
+// numbers (-1: unused).
 enum class UpdateOp : int32_t {
-  kAdd = 0,      // a + b
-  kSub = 1,      // a - b
-  kMul = 2,      // a * b
-  kDiv = 3,      // a / b
-  kMax = 4,      // max(a, b), NaN if either is NaN (as lax.max)
-  kMin = 5,      // min(a, b), NaN if either is NaN (as lax.min)
-  kNeg = 6,      // -a
-  kAbs = 7,      // |a|
-  kSign = 8,     // -1, 0 or 1 (NaN stays NaN, -0 stays -0), as lax.sign
-  kSqrt = 9,     // sqrt(a)
-  kRsqrt = 10,   // 1 / sqrt(a)
-  kSquare = 11,  // a * a
-  kIntPow = 12,  // a ** imm (imm an integer, may be negative), by squaring
-                 // as XLA does (as jax lowers lax.integer_pow: x*x for 2,
-                 // 1/(x**|n|) for n < 0, 1 for 0); with dtype kBF16 every
-                 // product is rounded, as each of those multiplies is a
-                 // bfloat16 op
-  kSelect = 13,  // a ? c : b   (lax.select_n(a, b, c): a is the predicate)
-  kClamp = 14,   // min(max(b, a), c)   (lax.clamp(a=lo, b=x, c=hi))
-  kEq = 15, kNe = 16, kLt = 17, kLe = 18, kGt = 19, kGe = 20,  // -> bool
-  kAnd = 21, kOr = 22, kNot = 23,  // on bools
-  kConvert = 24,  // a to `dtype` (f32 -> bf16 rounds; -> bool is a != 0)
-  kCopy = 25,     // a
-  // Fused multiply-adds, rounded once: XLA's loops contract a product used
-  // once into the sum that uses it on CPUs and GPUs with FMA, so programs
-  // taken from a jaxpr contract them too (to compute the same bits).
-  kFma = 26,      // a * b + c
-  kFms = 27,      // a * b - c
-  kFnma = 28,     // c - a * b
+#define JCXL_UPDATE_OP_ENUMERATOR(name, code, primitive, arity, traced) \
+  k##name = code,
+  JCXL_UPDATE_OPS(JCXL_UPDATE_OP_ENUMERATOR)
+#undef JCXL_UPDATE_OP_ENUMERATOR
 };
+
+// One row of the table of ops (update_ops.h).
+struct UpdateOpInfo {
+  UpdateOp op;
+  const char* enumerator;  // "IntPow" (UpdateOp::kIntPow)
+  const char* name;        // "integer_pow"
+  int arity;               // operands read: 1, 2 or 3
+  bool traced;             // a jaxpr's primitive `name` maps to it
+};
+
+// Every op, in code order (codes are 0 .. kNumUpdateOps - 1).
+constexpr UpdateOpInfo kUpdateOps[] = {
+#define JCXL_UPDATE_OP_INFO(name, code, primitive, arity, traced) \
+  {UpdateOp::k##name, #name, primitive, arity, traced != 0},
+    JCXL_UPDATE_OPS(JCXL_UPDATE_OP_INFO)
+#undef JCXL_UPDATE_OP_INFO
+};
+constexpr int32_t kNumUpdateOps =
+    static_cast<int32_t>(sizeof(kUpdateOps) / sizeof(kUpdateOps[0]));
+
+namespace internal {
+constexpr bool UpdateOpsAreDense() {
+  for (int32_t i = 0; i < kNumUpdateOps; ++i) {
+    if (static_cast<int32_t>(kUpdateOps[i].op) != i) return false;
+    if (kUpdateOps[i].arity < 1 || kUpdateOps[i].arity > 3) return false;
+  }
+  return true;
+}
+}  // namespace internal
+static_assert(internal::UpdateOpsAreDense(),
+              "update_ops.h: codes must be 0, 1, 2, ... in table order and "
+              "arities 1, 2 or 3");
+
+// The table's row of `op`, or nullptr when it is not an op (a program's
+// op comes from outside as an int).
+constexpr const UpdateOpInfo* FindUpdateOp(UpdateOp op) {
+  const int32_t code = static_cast<int32_t>(op);
+  return code >= 0 && code < kNumUpdateOps ? &kUpdateOps[code] : nullptr;
+}
 
 struct UpdateInstr {
   UpdateOp op = UpdateOp::kCopy;
@@ -121,7 +137,8 @@ Status ValidateUpdateProgram(const UpdateProgram& program);
 // valid.
 std::vector<bool> UpdateInputsRead(const UpdateProgram& program);
 
-// The name of an op as the JAX primitive's ("add", "integer_pow", ...).
+// The name of an op as the JAX primitive's ("add", "integer_pow", ...);
+// "?" for a value that is not an op.
 const char* UpdateOpName(UpdateOp op);
 
 // One array a run reads or writes, resolved by the pool to memory.

@@ -115,23 +115,14 @@ float RefOp(Op op, DT dtype, int32_t imm, float a, float b, float c) {
     case Op::kNot: r = t(a == 0.0f); break;
     case Op::kConvert: r = dtype == DT::kBool ? t(a != 0.0f) : a; break;
     case Op::kCopy: r = a; break;
+    case Op::kFma: r = std::fma(a, b, c); break;
+    case Op::kFms: r = std::fma(a, b, -c); break;
+    case Op::kFnma: r = std::fma(-a, b, c); break;
   }
   return dtype == DT::kBF16 ? RefRoundBF16(r) : r;
 }
 
-int Arity(Op op) {
-  switch (op) {
-    case Op::kSelect:
-    case Op::kClamp:
-      return 3;
-    case Op::kNeg: case Op::kAbs: case Op::kSign: case Op::kSqrt:
-    case Op::kRsqrt: case Op::kSquare: case Op::kIntPow: case Op::kNot:
-    case Op::kConvert: case Op::kCopy:
-      return 1;
-    default:
-      return 2;
-  }
-}
+int Arity(Op op) { return FindUpdateOp(op)->arity; }
 
 // Ops whose NaN result is defined bit for bit (they pick an operand or
 // flip a bit); arithmetic NaNs only have to be NaN (which operand's payload
@@ -624,6 +615,44 @@ TEST(FlushDenormalsFlushesOperandsAndResultsOnly) {
 }
 
 Status Validate(const UpdateProgram& p) { return ValidateUpdateProgram(p); }
+
+// The table (update_ops.h) is every list of ops: names are unique, and
+// validation asks each op for the operands its row says, no more.
+TEST(TheTableOfOpsIsWhatValidationAndNamesUse) {
+  for (int32_t code = 0; code < kNumUpdateOps; ++code) {
+    const UpdateOpInfo& info = kUpdateOps[code];
+    const Op op = static_cast<Op>(code);
+    CHECK(FindUpdateOp(op) == &info);
+    CHECK_EQ(std::string(UpdateOpName(op)), std::string(info.name));
+    for (int32_t other = 0; other < code; ++other) {
+      CHECK_NE(std::string(kUpdateOps[other].name), std::string(info.name));
+      CHECK_NE(std::string(kUpdateOps[other].enumerator),
+               std::string(info.enumerator));
+    }
+    UpdateProgram p = OneOp(op, DT::kF32, 2, 8);
+    CHECK_OK(ValidateUpdateProgram(p));
+    // Its last operand unset: refused, naming the op and its arity.
+    UpdateInstr& instr = p.code[0];
+    (info.arity == 1 ? instr.a : info.arity == 2 ? instr.b : instr.c) = -1;
+    Status status = ValidateUpdateProgram(p);
+    CHECK_CODE(status, Code::kInvalidArgument);
+    CHECK_CONTAINS(status.message(),
+                   std::string(info.name) + " takes " +
+                       std::to_string(info.arity) + " operand");
+  }
+  CHECK(FindUpdateOp(static_cast<Op>(kNumUpdateOps)) == nullptr);
+  CHECK(FindUpdateOp(static_cast<Op>(-1)) == nullptr);
+  CHECK_EQ(std::string(UpdateOpName(static_cast<Op>(kNumUpdateOps))),
+           std::string("?"));
+  UpdateProgram p = OneOp(Op::kAdd, DT::kF32, 0, 8);
+  p.code[0].op = static_cast<Op>(kNumUpdateOps);
+  Status status = ValidateUpdateProgram(p);
+  CHECK_CODE(status, Code::kInvalidArgument);
+  CHECK_CONTAINS(status.message(),
+                 "unknown op " + std::to_string(kNumUpdateOps) +
+                     " (ops are 0.." + std::to_string(kNumUpdateOps - 1) +
+                     ")");
+}
 
 TEST(ValidationNamesWhatIsWrong) {
   UpdateProgram good;

@@ -9,52 +9,61 @@ XLA:CPU computes bfloat16 arithmetic; booleans are 0.0 / 1.0. Outputs write
 vector registers into pool objects, converted to each object's dtype.
 
 These dataclasses mirror the C++ structs field for field (the enums keep the
-C++ values); ``Pool.register_update`` checks a program and its objects and
-returns its id, ``Pool.run_update`` runs it.
+C++ values; `UpdateOp` and its maps are built from the C++ core's table of
+ops, ffi/update_ops.h); ``Pool.register_update`` checks a program and its
+objects and returns its id, ``Pool.run_update`` runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
+import types
+from collections.abc import Mapping
 from collections.abc import Sequence
 
 from jcxl import _jcxl
 
 
-class UpdateOp(enum.IntEnum):
-  """An instruction's operation (the C++ enumerator without its k), by the
-  JAX primitive it implements."""
-  ADD = 0  # a + b
-  SUB = 1  # a - b
-  MUL = 2  # a * b
-  DIV = 3  # a / b
-  MAX = 4  # lax.max: NaN if either is NaN; -0 < +0
-  MIN = 5  # lax.min: likewise
-  NEG = 6  # -a
-  ABS = 7  # |a|
-  SIGN = 8  # -1, 0 or 1; -0 stays -0, NaN stays NaN
-  SQRT = 9  # sqrt(a)
-  RSQRT = 10  # 1 / sqrt(a), each rounded (XLA:CPU's own rsqrt differs)
-  SQUARE = 11  # a * a
-  INT_POW = 12  # a ** imm by squaring, as jax lowers lax.integer_pow
-  INTEGER_POW = 12  # the same (the primitive's name)
-  SELECT = 13  # a ? c : b (lax.select_n(a, b, c): a is the predicate)
-  CLAMP = 14  # min(max(b, a), c) (lax.clamp(lo=a, x=b, hi=c))
-  EQ = 15
-  NE = 16
-  LT = 17
-  LE = 18
-  GT = 19
-  GE = 20
-  AND = 21  # on bools
-  OR = 22
-  NOT = 23
-  CONVERT = 24  # a to `dtype`: to BF16 rounds, to BOOL is a != 0
-  COPY = 25  # a
-  FMA = 26  # a * b + c, rounded once (as XLA contracts a product used once)
-  FMS = 27  # a * b - c
-  FNMA = 28  # c - a * b
+def _enum_name(enumerator: str) -> str:
+  """``IntPow`` -> ``INT_POW``."""
+  return re.sub(r"(?<!^)(?=[A-Z])", "_", enumerator).upper()
+
+
+# The C++ core's table of ops (ffi/update_ops.h): (enumerator, name, code,
+# arity, traced) per op. It is the only list of them; everything below
+# derives from it.
+_OP_TABLE = tuple(tuple(row) for row in _jcxl.update_ops())
+
+
+def _op_members() -> dict[str, int]:
+  members = {_enum_name(enumerator): code
+             for enumerator, _, code, _, _ in _OP_TABLE}
+  # The primitive's own name too, where it differs (INTEGER_POW = INT_POW).
+  for _, name, code, _, _ in _OP_TABLE:
+    members.setdefault(name.upper(), code)
+  return members
+
+
+UpdateOp = enum.IntEnum("UpdateOp", _op_members(), module=__name__,
+                        qualname="UpdateOp")
+UpdateOp.__doc__ = (
+    "An instruction's operation (the C++ enumerator without its k, words "
+    "split by '_'; also under its JAX primitive's name, as INTEGER_POW), as "
+    "ffi/update_ops.h lists them with what each computes.")
+
+# How many operands (a, b, c) each op reads.
+OP_ARITY: Mapping[UpdateOp, int] = types.MappingProxyType(
+    {UpdateOp(code): arity for _, _, code, arity, _ in _OP_TABLE})
+# The op's name in the C++ core's messages (the JAX primitive's).
+OP_NAMES: Mapping[UpdateOp, str] = types.MappingProxyType(
+    {UpdateOp(code): name for _, name, code, _, _ in _OP_TABLE})
+# JAX primitive -> the op that computes it, for the ops a jaxpr's equation
+# maps to (the fused multiply-adds are made by jcxl, not traced).
+PRIMITIVE_OPS: Mapping[str, UpdateOp] = types.MappingProxyType(
+    {name: UpdateOp(code) for _, name, code, _, traced in _OP_TABLE
+     if traced})
 
 
 class UpdateDType(enum.IntEnum):
