@@ -879,6 +879,8 @@ def run(config: Config) -> dict[str, Any]:
     # Written as each part ends: a timeout later keeps what ended.
     exp_common.write_json(os.path.join(config.run_dir, f"{name}.json"), value)
     exp_common.write_json(path, result)
+    if jax.process_index() == 0:  # the results file too, rewritten
+      results_file.write("gpu_check", result, sys.argv)
     print(f"gpu_check: {name} done in {value['wall_s']:.1f} s"
           f"{' (FAILED: ' + value['error'] + ')' if 'error' in value else ''}",
           flush=True)

@@ -68,10 +68,20 @@ def _git(*args: str) -> str | None:
 _at_start: tuple[str, str] | None = None
 
 
+# This run's results file per program: a program that writes its results
+# as each part ends (so that a deadline keeps what ended) rewrites one
+# file, until the next `note_start`.
+_written: dict[str, str] = {}  # results folder -> file
+_started: dict[str, datetime.datetime] = {}
+
+
 def note_start() -> None:
-  """Records the checkout's commit as the running program's."""
+  """Records the checkout's commit as the running program's; a run's
+  results file is new from here on (see `write`)."""
   global _at_start
   _at_start = commit()
+  _written.clear()
+  _started.clear()
 
 
 def _revision() -> tuple[str, str]:
@@ -208,7 +218,9 @@ def write(program: str, results: Any, argv: Sequence[str],
 
   A results file is a by-product: when it cannot be written (a read-only
   checkout, a full disk) this logs a warning and returns None rather than
-  failing a program whose work is done.
+  failing a program whose work is done. Called again for the same program
+  in this run (until `note_start`), it rewrites the same file (replaced whole), so that a
+  program writing its results as each part ends leaves one file.
 
   Args:
     program: the program's name (`dap`): the folder, and the command shown.
@@ -216,7 +228,8 @@ def write(program: str, results: Any, argv: Sequence[str],
     argv: the command line as the process got it (`sys.argv`).
     when: the run's time (UTC), now by default.
   """
-  when = when or datetime.datetime.now(datetime.timezone.utc)
+  when = when or _started.get(program) or datetime.datetime.now(
+      datetime.timezone.utc)
   short, _ = _revision()
   folder = os.path.join(results_dir(), program)
   stem = f"{when.strftime('%Y-%m-%d-%H%M%S')}-{short}"
@@ -225,12 +238,19 @@ def write(program: str, results: Any, argv: Sequence[str],
     results = json.loads(json.dumps(results, default=str))
     body = text(program, results, argv, when)
     os.makedirs(folder, exist_ok=True)
-    path, n = os.path.join(folder, f"{stem}.md"), 1
-    while os.path.exists(path):  # two runs in one second
-      n += 1
-      path = os.path.join(folder, f"{stem}-{n}.md")
-    with open(path, "x", encoding="utf-8") as f:
+    path = _written.get(folder)
+    if path is None:
+      path, n = os.path.join(folder, f"{stem}.md"), 1
+      while os.path.exists(path):  # two runs in one second
+        n += 1
+        path = os.path.join(folder, f"{stem}-{n}.md")
+    # Written whole beside it, then renamed over it: a reader (or a run
+    # killed mid-write) never sees half a file.
+    partial = path + ".partial"
+    with open(partial, "w", encoding="utf-8") as f:
       f.write(body)
+    os.replace(partial, path)
+    _written[folder], _started[program] = path, when
   except (OSError, TypeError, ValueError) as e:
     logging.warning("results file for %s not written: %s", program, e)
     return None

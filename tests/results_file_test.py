@@ -83,11 +83,26 @@ class ResultsFileTest:
 
   def test_two_runs_in_one_second_get_two_files(self, tmp_path, monkeypatch):
     monkeypatch.setenv(results_file.RESULTS_DIR_ENV, str(tmp_path))
+    results_file.note_start()
     first = results_file.write("max_model", {"a": 1}, ["max_model"], WHEN)
+    results_file.note_start()
     second = results_file.write("max_model", {"a": 2}, ["max_model"], WHEN)
     assert first != second and second.endswith("-2.md")
     with open(first, encoding="utf-8") as f:
       assert _json_block(f.read()) == {"a": 1}
+
+  def test_one_run_writing_as_it_goes_leaves_one_whole_file(
+      self, tmp_path, monkeypatch):
+    # gpu_check writes its results as each part ends: one file, the last.
+    monkeypatch.setenv(results_file.RESULTS_DIR_ENV, str(tmp_path))
+    results_file.note_start()
+    first = results_file.write("gpu_check", {"parts": 1}, ["gpu_check"])
+    second = results_file.write("gpu_check", {"parts": 2}, ["gpu_check"])
+    assert first == second
+    assert sorted(os.listdir(tmp_path / "gpu_check")) == [
+        os.path.basename(first)]
+    with open(first, encoding="utf-8") as f:
+      assert _json_block(f.read()) == {"parts": 2}
 
   def test_an_unwritable_folder_warns_instead_of_failing(self, tmp_path,
                                                         monkeypatch):
