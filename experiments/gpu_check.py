@@ -67,6 +67,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,7 @@ from experiments import compare
 from experiments import flags as shared_flags
 from experiments import host_allocator
 from experiments import host_update as host_update_exp
+from experiments import results_file
 from jcxl import _jcxl
 from jcxl import streamed_scan
 from jcxl.units import format_bytes
