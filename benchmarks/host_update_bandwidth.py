@@ -85,10 +85,10 @@ def measure(n: int, repeats: int, update_threads: int = 0) -> dict:
                  min(16, len(os.sched_getaffinity(0)))) as pool:
     handles = [pool.put(a, "host") for a in arrays]
     del arrays
-    program = pool.register_update(adam_program(n, *handles))
+    program = pool.updates.register(adam_program(n, *handles))
     scalars = np.array([1e-6, 0.1, 0.001], np.float32)
-    pool.run_update(program, scalars).wait()  # starts the threads
-    threads = pool.update_stats().threads
+    pool.updates.run(program, scalars).wait()  # starts the threads
+    threads = pool.updates.stats().threads
     src = bench.pattern(copy_bytes)
     dst = bench.pretouched(copy_bytes)
     target = pool.allocate((copy_bytes,), np.uint8, "host")
@@ -102,13 +102,13 @@ def measure(n: int, repeats: int, update_threads: int = 0) -> dict:
           lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
 
     timings = bench.interleaved(
-        {"kernel": lambda: pool.run_update(program, scalars).wait(),
+        {"kernel": lambda: pool.updates.run(program, scalars).wait(),
          "memcpy_1t": lambda: bench.memcpy(dst, src),
          "memcpy_mt": memcpy_mt,
          "pool_copy": lambda: pool.put_async(target, src).wait()},
         nbytes=n * BYTES_PER_ELEMENT, repeats=repeats)
     executor.shutdown()
-    stats = pool.update_stats()
+    stats = pool.updates.stats()
   median = {name: statistics.median(t.seconds) for name, t in timings.items()}
   gbps = {name: n * BYTES_PER_ELEMENT / s / 1e9 for name, s in median.items()}
   ratios = {f"kernel/{name}": gbps["kernel"] / gbps[name]

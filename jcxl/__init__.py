@@ -23,11 +23,11 @@ from jcxl._src.offload.step import OffloadedStep as OffloadedStep
 from jcxl._src.offload.step import cxl_offload as cxl_offload
 from jcxl._src.placement import gather as gather
 from jcxl._src.placement import place as place
-from jcxl._src.pool import DEFAULT_CXL_LINK as DEFAULT_CXL_LINK
-from jcxl._src.pool import LinkModel as LinkModel
+from jcxl._src.link_model import DEFAULT_CXL_LINK as DEFAULT_CXL_LINK
+from jcxl._src.link_model import LinkModel as LinkModel
 from jcxl._src.pool import Pool as Pool
-from jcxl._src.pool import Tier as Tier
-from jcxl._src.pool import TransferRecord as TransferRecord
+from jcxl._src.tier import Tier as Tier
+from jcxl._src.transfers import TransferRecord as TransferRecord
 from jcxl._src.pool_array import PoolArray as PoolArray
 from jcxl._src.pool_init import init_in_pool as init_in_pool
 from jcxl._src.pool_init import tiers_by_reads as tiers_by_reads

@@ -2,22 +2,22 @@
 
 An optimizer's update of one layer (adam, adamw, sgd with momentum, lion...)
 as straight-line float32 code over registers (see ``Program``), registered
-on a pool (``Pool.register_update``) and run by its update threads, from
-Python (``Pool.run_update``) or inside a jitted step (``update_start`` then
+on a pool (``pool.updates.register``) and run by its update threads, from
+Python (``pool.updates.run``) or inside a jitted step (``update_start`` then
 ``update_done``): only the gradients and the fresh weights need to cross the
 device link.
 
 Example:
   >>> from jcxl import updates as u
   >>> h = pool.put(np.ones(1024, np.float32), "host")
-  >>> double = pool.register_update(u.Program(
+  >>> double = pool.updates.register(u.Program(
   ...     1024, 1, [u.Input.object(h), u.Input.scalar(0)],
   ...     [u.Instr(u.UpdateOp.MUL, 0, 1)], [u.Output(2, h)]))
-  >>> pool.run_update(double, [2.0]).wait()
+  >>> pool.updates.run(double, [2.0]).wait()
 """
 
-from jcxl._src.pool import UpdateRun as UpdateRun
-from jcxl._src.pool import UpdateStats as UpdateStats
+from jcxl._src.pool_updates import UpdateRun as UpdateRun
+from jcxl._src.pool_updates import UpdateStats as UpdateStats
 from jcxl._src.stream import update_done as update_done
 from jcxl._src.stream import update_start as update_start
 from jcxl._src.update_program import Input as Input

@@ -118,14 +118,14 @@ class AdamTest:
     p, mu, nu, g = adam_state()
     handles = [pool.put(p, "host"), pool.put(mu, "cxl"), pool.put(nu, "cxl"),
                pool.put(g, "host")]
-    program = pool.register_update(adam_program(N, *handles))
+    program = pool.updates.register(adam_program(N, *handles))
     for step in (1, 2, 3):
       s = scalars_of(step)
-      pool.run_update(program, s).wait()
+      pool.updates.run(program, s).wait()
       p, mu, nu = adam(p, mu, nu, g, s[0], s[1], s[2])
       for h, want, name in zip(handles, (p, mu, nu), ("p", "mu", "nu")):
         assert_bits_equal(pool.get(h), want, f"step {step} {name}")
-    stats = pool.update_stats()
+    stats = pool.updates.stats()
     assert (stats.runs, stats.failed, stats.elements) == (3, 0, 3 * N)
     assert stats.bytes_read == 3 * N * 16
     assert stats.bytes_written == 3 * N * 12
@@ -140,9 +140,9 @@ class AdamTest:
     program does, bit for bit."""
     p, mu, nu, g = adam_state(seed=3)
     handles = [pool.put(a, "host") for a in (p, mu, nu, g)]
-    program = pool.register_update(adam_program(N, *handles))
+    program = pool.updates.register(adam_program(N, *handles))
     s = scalars_of(1)
-    pool.run_update(program, s).wait()
+    pool.updates.run(program, s).wait()
     ours = [pool.get(h) for h in handles[:3]]
     np.savez(tmp_path / "in.npz", p=p, mu=mu, nu=nu, g=g, s=s)
     script = textwrap.dedent(f"""
@@ -170,10 +170,10 @@ class AdamTest:
       assert_bits_equal(got, xla[name], f"xla {name}")
     # rsqrt: the program's 1/sqrt(x) is XLA's portable one.
     h = pool.put(xla["x"], "host")
-    rsqrt = pool.register_update(up.Program(
+    rsqrt = pool.updates.register(up.Program(
         xla["x"].size, 0, [up.Input.object(h)], [up.Instr(Op.RSQRT, 0)],
         [up.Output(1, h)]))
-    pool.run_update(rsqrt).wait()
+    pool.updates.run(rsqrt).wait()
     assert_bits_equal(pool.get(h), xla["rsqrt"], "rsqrt")
 
   def test_xla_cpu_default_contracts_multiply_add(self, pool):
@@ -181,12 +181,12 @@ class AdamTest:
     where the CPU has FMA; the program rounds b1 * mu first, as numpy."""
     _, mu, _, g = adam_state(seed=5)
     hm, hg = pool.put(mu, "host"), pool.put(g, "host")
-    program = pool.register_update(up.Program(
+    program = pool.updates.register(up.Program(
         N, 0, [up.Input.object(hm), up.Input.object(hg), up.Input.const(B1),
                up.Input.const(C1)],
         [up.Instr(Op.MUL, 2, 0), up.Instr(Op.MUL, 3, 1),
          up.Instr(Op.ADD, 4, 5)], [up.Output(6, hm)]))
-    pool.run_update(program).wait()
+    pool.updates.run(program).wait()
     ours = pool.get(hm)
     plain = B1 * mu + C1 * g
     assert_bits_equal(ours, plain, "program vs numpy")
@@ -205,10 +205,10 @@ class AdamTest:
     a = adam_state(seed=6)[0]
     s = f32(0.1)
     h = pool.put(a, "host")
-    program = pool.register_update(up.Program(
+    program = pool.updates.register(up.Program(
         N, 1, [up.Input.object(h), up.Input.scalar(0)],
         [up.Instr(Op.DIV, 0, 1)], [up.Output(2, h)]))
-    pool.run_update(program, [s]).wait()
+    pool.updates.run(program, [s]).wait()
     assert_bits_equal(pool.get(h), a / s, "program vs numpy")
     xla = np.asarray(jax.jit(lambda a, s: a / s)(a, s))
     if not np.array_equal(bits(xla), bits(a / s)):
@@ -273,12 +273,12 @@ def run_one(pool, op, operands, *, dtype=up.UpdateDType.F32, imm=0,
   arity = len(operands)
   instr = up.Instr(op, 0, 1 if arity > 1 else -1, 2 if arity > 2 else -1,
                    dtype=dtype, imm=imm)
-  program = pool.register_update(up.Program(
+  program = pool.updates.register(up.Program(
       n, 0, [up.Input.object(h) for h in handles], [instr],
       [up.Output(arity, out)], flush_denormals=flush))
-  pool.run_update(program).wait()
+  pool.updates.run(program).wait()
   result = pool.get(out)
-  pool.release_update(program)
+  pool.updates.release(program)
   for h in handles + [out]:
     pool.free(h)
   return result
@@ -353,9 +353,9 @@ class BFloat16Test:
     pb = p.astype(bf16)
     hp = pool.put(pb, "host")
     hm, hn, hg = (pool.put(a, "cxl") for a in (mu, nu, g))
-    program = pool.register_update(adam_program(N, hp, hm, hn, hg))
+    program = pool.updates.register(adam_program(N, hp, hm, hn, hg))
     s = scalars_of(1)
-    pool.run_update(program, s).wait()
+    pool.updates.run(program, s).wait()
     want_p, want_mu, want_nu = adam(pb.astype(f32), mu, nu, g, *s)
     got = pool.get(hp)
     assert got.dtype == bf16
@@ -368,12 +368,12 @@ class BFloat16Test:
                for _ in range(3))
     handles = [pool.put(a, "host") for a in (x, y, z)]
     out = pool.allocate((N,), bf16, "cxl")
-    program = pool.register_update(up.Program(
+    program = pool.updates.register(up.Program(
         N, 0, [up.Input.object(h) for h in handles],
         [up.Instr(Op.MUL, 0, 1, dtype=up.UpdateDType.BF16),
          up.Instr(Op.ADD, 3, 2, dtype=up.UpdateDType.BF16)],
         [up.Output(4, out)]))
-    pool.run_update(program).wait()
+    pool.updates.run(program).wait()
     got = pool.get(out)
     want = ((x.astype(f32) * y.astype(f32)).astype(bf16).astype(f32) +
             z.astype(f32)).astype(bf16)
@@ -385,9 +385,9 @@ class BFloat16Test:
     (x,) = grid(1)
     h = pool.put(x, "host")
     out = pool.allocate(x.shape, bf16, "host")
-    program = pool.register_update(up.Program(
+    program = pool.updates.register(up.Program(
         x.size, 0, [up.Input.object(h)], [], [up.Output(0, out)]))
-    pool.run_update(program).wait()
+    pool.updates.run(program).wait()
     assert_bits_equal(pool.get(out), x.astype(bf16), "f32 -> bf16")
 
 
@@ -406,14 +406,14 @@ class CopyTest:
     pool.put_async(h, y).wait()
     assert_bits_equal(pool.get(c), y.astype(bf16), "after a put")
     g = pool.put(np.full(x.shape, 0.5, f32), tier)
-    both = pool.register_update(up.Program(
+    both = pool.updates.register(up.Program(
         x.size, 0, [up.Input.object(h), up.Input.object(g)],
         [up.Instr(op=Op.SUB, a=0, b=1)],
         [up.Output(2, h), up.Output(2, c)]))
-    pool.run_update(both).wait()
-    runs = pool.update_stats().runs
+    pool.updates.run(both).wait()
+    runs = pool.updates.stats().runs
     assert_bits_equal(pool.get(c), (y - f32(0.5)).astype(bf16), "updated")
-    assert pool.update_stats().runs == runs  # written fresh: no refresh
+    assert pool.updates.stats().runs == runs  # written fresh: no refresh
 
   def test_what_a_copy_refuses(self, pool):
     h = pool.put(np.ones(64, f32), "host")
@@ -423,7 +423,7 @@ class CopyTest:
       pool.put_async(c, np.zeros(64, bf16)).wait()
     with pytest.raises(ValueError, match="only from the register it writes "
                        "the source from"):
-      pool.register_update(up.Program(
+      pool.updates.register(up.Program(
           64, 0, [up.Input.object(h)], [up.Instr(op=Op.NEG, a=0)],
           [up.Output(1, h), up.Output(0, c)]))
     with pytest.raises(ValueError, match="is itself a copy"):
@@ -457,14 +457,14 @@ class ErrorsTest:
       with pytest.raises(ValueError, match=f"{where}: handle {ints} .*holds "
                          "int32; update programs read and write float32 or "
                          "bfloat16"):
-        pool.register_update(program(ints, as_output))
+        pool.updates.register(program(ints, as_output))
       with pytest.raises(ValueError, match=f"{where}: handle {longer} .*"
                          "holds 1001 elements, but the program is for "
                          "num_elements = 1000"):
-        pool.register_update(program(longer, as_output))
+        pool.updates.register(program(longer, as_output))
       with pytest.raises(errors.UnknownHandleError,
                          match=f"{where}: handle 123456 is unknown"):
-        pool.register_update(program(123456, as_output))
+        pool.updates.register(program(123456, as_output))
 
   def test_malformed_programs(self, pool):
     h = pool.put(np.ones(10, f32), "host")
@@ -481,48 +481,48 @@ class ErrorsTest:
     ]
     for code, error, message in cases:
       with pytest.raises(error, match=message):
-        pool.register_update(up.Program(code=code, **base))
+        pool.updates.register(up.Program(code=code, **base))
     with pytest.raises(ValueError, match="input 1: scalar_index 3 is not in"):
-      pool.register_update(up.Program(
+      pool.updates.register(up.Program(
           10, 1, [up.Input.object(h), up.Input.scalar(3)],
           [up.Instr(Op.MUL, 0, 1)], [up.Output(2, h)]))
     with pytest.raises(ValueError, match="register 1 is a scalar"):
-      pool.register_update(up.Program(
+      pool.updates.register(up.Program(
           10, 1, [up.Input.object(h), up.Input.scalar(0)], [],
           [up.Output(1, h)]))
     with pytest.raises(TypeError, match="takes a jcxl update Program"):
-      pool.register_update({"num_elements": 10})
+      pool.updates.register({"num_elements": 10})
     with pytest.raises(ValueError, match="not an earlier register"):
       up.Program(code=[up.Instr(Op.NEG, 3)], **base).validate()
 
   def test_runs_refuse_wrong_scalars_and_freed_objects(self, pool):
     p, mu, nu, g = (pool.put(np.ones(N, f32), "host") for _ in range(4))
-    program = pool.register_update(adam_program(N, p, mu, nu, g))
+    program = pool.updates.register(adam_program(N, p, mu, nu, g))
     with pytest.raises(ValueError, match=f"update program {program} takes 3 "
                        "scalars per run, but got 2"):
-      pool.run_update(program, [1.0, 2.0])
+      pool.updates.run(program, [1.0, 2.0])
     pool.free(g)
     with pytest.raises(errors.UnknownHandleError,
                        match=f"update program {program}: input 3 .*handle "
                        f"{g} is unknown"):
-      pool.run_update(program, [1.0, 1.0, 1.0])
-    pool.release_update(program)
+      pool.updates.run(program, [1.0, 1.0, 1.0])
+    pool.updates.release(program)
     with pytest.raises(errors.UnknownHandleError, match="released, or never"):
-      pool.run_update(program, [1.0, 1.0, 1.0])
+      pool.updates.run(program, [1.0, 1.0, 1.0])
     with pytest.raises(errors.UnknownHandleError, match="released, or never"):
-      pool.release_update(program)
+      pool.updates.release(program)
 
   def test_free_waits_for_a_run(self, pool):
     h = pool.put(np.arange(N, dtype=f32), "host")
-    program = pool.register_update(up.Program(
+    program = pool.updates.register(up.Program(
         N, 0, [up.Input.object(h), up.Input.const(2.0)],
         [up.Instr(Op.MUL, 0, 1)], [up.Output(2, h)]))
-    pool._hold_updates(True)
-    run = pool.run_update(program)
+    pool.updates._hold(True)
+    run = pool.updates.run(program)
     with pytest.raises(errors.TransferTimeoutError):
       run.wait(timeout_s=0.01)
     assert not run.done()
-    pool._hold_updates(False)
+    pool.updates._hold(False)
     run.wait()
     assert run.done() and run.program_id == program
     assert_bits_equal(pool.get(h), np.arange(N, dtype=f32) * 2, "doubled")
@@ -533,12 +533,12 @@ class ErrorsTest:
     with pytest.raises(TypeError, match="update_threads"):
       jcxl.Pool(host="4MiB", cxl=0, update_threads=1.5)
     with jcxl.Pool(host="4MiB", cxl=0, update_threads=3) as p:
-      assert p.update_stats().threads == 0  # started at the first run
+      assert p.updates.stats().threads == 0  # started at the first run
       h = p.put(np.ones(1000, f32), "host")
-      p.run_update(p.register_update(up.Program(
+      p.updates.run(p.updates.register(up.Program(
           1000, 0, [up.Input.object(h)], [up.Instr(Op.NEG, 0)],
           [up.Output(1, h)]))).wait()
-      assert p.update_stats().threads == 3
+      assert p.updates.stats().threads == 3
       assert (p.get(h) == -1).all()
 
 
@@ -549,9 +549,9 @@ def test_nvme_objects(tmp_path):
     p, mu, nu, g = adam_state(n, seed=11)
     handles = [pool.put(p, "nvme"), pool.put(mu, "nvme"),
                pool.put(nu, "host"), pool.put(g, "nvme")]
-    program = pool.register_update(adam_program(n, *handles))
+    program = pool.updates.register(adam_program(n, *handles))
     s = scalars_of(1)
-    pool.run_update(program, s).wait()
+    pool.updates.run(program, s).wait()
     for h, want, name in zip(handles, adam(p, mu, nu, g, *s), ("p", "mu",
                                                                "nu")):
       assert_bits_equal(pool.get(h), want, f"nvme {name}")
@@ -562,7 +562,7 @@ class JitTest:
   def test_update_start_and_done_in_a_step(self, pool):
     p, mu, nu, g = adam_state(seed=13)
     handles = [pool.put(a, "cxl") for a in (p, mu, nu, g)]
-    program = pool.register_update(adam_program(N, *handles))
+    program = pool.updates.register(adam_program(N, *handles))
 
     @jax.jit
     def step(t, grads_token):
@@ -588,7 +588,7 @@ class JitTest:
   def test_errors_inside_a_step(self, pool):
     h = pool.put(np.ones(N, f32), "host")
     extra = pool.put(np.ones(N, f32), "host")
-    program = pool.register_update(up.Program(
+    program = pool.updates.register(up.Program(
         N, 1, [up.Input.object(h), up.Input.scalar(0), up.Input.object(extra)],
         [up.Instr(Op.MUL, 0, 1), up.Instr(Op.ADD, 3, 2)], [up.Output(4, h)]))
     with pytest.raises(ValueError, match="takes 1 scalars per run, got 2"):
@@ -601,14 +601,14 @@ class JitTest:
     def slow(s):
       return stream.update_done(stream.update_start(pool.id, program, s),
                                 timeout_ms=50)
-    pool._hold_updates(True)
+    pool.updates._hold(True)
     try:
       with pytest.raises(jax.errors.JaxRuntimeError, match=f"(?s)DEADLINE_EXCEEDED.*program "
                          f"{program}"):
         slow(jnp.full(1, 2.0)).block_until_ready()
     finally:
-      pool._hold_updates(False)
-    runs = pool.update_stats().runs
+      pool.updates._hold(False)
+    runs = pool.updates.stats().runs
     # A token no start made.
     bogus = jax.jit(lambda: stream.update_done(jnp.array([7777777, 5],
                                                          jnp.int32)))
@@ -621,4 +621,4 @@ class JitTest:
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"(?s)jcxl_update_start.*input 2.*"
                        f"handle {extra}"):
       step(jnp.ones(1)).block_until_ready()
-    assert pool.update_stats().runs >= runs
+    assert pool.updates.stats().runs >= runs

@@ -13,8 +13,6 @@ Objects are addressed by int32 handles that stay valid across ``compact()``.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -33,396 +31,24 @@ from jcxl._src import dispatched
 from jcxl._src import registry
 from jcxl._src import swap_dir as swap_dir_lib
 from jcxl._src import topology as topology_lib
-from jcxl._src import update_program as update_program_lib
 from jcxl._src import validation
-from jcxl._src.units import format_bandwidth
+from jcxl._src.link_model import DEFAULT_CXL_LINK
+from jcxl._src.link_model import FirmwareLink
+from jcxl._src.link_model import LinkModel
+from jcxl._src.pool_stats import ObjectInfo
+from jcxl._src.pool_stats import PoolStats
+from jcxl._src.pool_stats import TierStats
+from jcxl._src.pool_updates import PoolUpdates
+from jcxl._src.tier import Tier
+from jcxl._src.tier import as_tier
+from jcxl._src.transfers import Transfer
+from jcxl._src.transfers import TransferRecord
 from jcxl._src.units import format_bytes
-from jcxl._src.units import parse_bandwidth
 from jcxl._src.units import parse_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
-
-
-class Tier(str, enum.Enum):
-  """A pool tier (also a jcxl memory kind)."""
-  HOST = "host"
-  CXL = "cxl"
-  NVME = "nvme"
-
-  @property
-  def index(self) -> int:
-    return _TIER_INDEX[self]
-
-  @classmethod
-  def parse(cls, value: str | Tier, *, name: str = "tier") -> Tier:
-    """The tier named `value`; a ValueError naming `name` if none is."""
-    try:
-      return cls(value)
-    except ValueError:
-      choices = ", ".join(repr(t.value) for t in cls)
-      raise ValueError(f"{name} must be one of {choices}, but got {value!r}"
-                       ) from None
-
-
-_TIER_INDEX = {Tier.HOST: 0, Tier.CXL: 1, Tier.NVME: 2}
-_TIERS_BY_INDEX = {i: t for t, i in _TIER_INDEX.items()}
-
-
-def as_tier(value: str | Tier, *, name: str = "tier") -> Tier:
-  """Validates a tier name (see Tier.parse)."""
-  return Tier.parse(value, name=name)
-
-
-# A link's latency is counted in int64 nanoseconds by the C++ core; no real
-# link comes near an hour per transfer.
-_MAX_LINK_LATENCY_S = 3600.0
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkModel:
-  """An emulated link: a bandwidth cap shared by all transfers, plus latency.
-
-  Attributes:
-    bandwidth: bytes per second (or a string such as '16GB/s').
-    latency_s: fixed time added to each transfer, in [0, 3600] seconds.
-  """
-  bandwidth: float | str
-  latency_s: float = 0.0
-
-  def __post_init__(self):
-    object.__setattr__(self, "bandwidth",
-                       parse_bandwidth(self.bandwidth, name="link bandwidth"))
-    object.__setattr__(self, "latency_s", validation.as_seconds(
-        self.latency_s, name="link latency_s", high=_MAX_LINK_LATENCY_S))
-
-  @property
-  def latency_ns(self) -> int:
-    """The latency as the C++ core takes it (int64 nanoseconds)."""
-    return round(self.latency_s * 1e9)
-
-  def __str__(self) -> str:
-    return (f"{format_bandwidth(self.bandwidth)}, "
-            f"{self.latency_s * 1e6:.1f} us per transfer")
-
-
-# What an emulated cxl tier behaves like unless told otherwise: one CXL 2.0
-# x8 link (about 16 GB/s each way) with a couple of microseconds of software
-# and link latency per transfer.
-DEFAULT_CXL_LINK = LinkModel(bandwidth="16GB/s", latency_s=2e-6)
-
-
-# ACPI HMAT states bandwidths in "MB/s"; QEMU writes a configured
-# bandwidth=10G (2**30 bytes/s) as 10240, so a megabyte here is 2**20 bytes.
-_HMAT_MEGABYTE = 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class FirmwareLink:
-  """How fast the firmware says one memory node is, from its initiators.
-
-  Attributes:
-    node: The NUMA node.
-    read_bandwidth: Read bandwidth, bytes per second.
-    read_latency_s: Read latency, seconds (0 where the firmware gives none).
-    source: Where the figures came from ('HMAT').
-  """
-  node: int
-  read_bandwidth: float
-  read_latency_s: float
-  source: str = "HMAT"
-
-  @classmethod
-  def from_node(cls, node: topology_lib.NumaNode) -> FirmwareLink | None:
-    """The node's HMAT access figures, or None without a read bandwidth."""
-    hmat = node.hmat
-    if hmat is None or not hmat.read_bandwidth_mbps:
-      return None
-    return cls(node=node.id,
-               read_bandwidth=float(hmat.read_bandwidth_mbps * _HMAT_MEGABYTE),
-               read_latency_s=(hmat.read_latency_ns or 0) / 1e9)
-
-  def __str__(self) -> str:
-    return (f"node {self.node} {format_bandwidth(self.read_bandwidth)} "
-            f"{self.read_latency_s * 1e9:.0f} ns")
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
-  """Where one pool object lives."""
-  handle: int
-  tier: Tier
-  node: int
-  offset: int
-  nbytes: int
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  slab: bool
-  copy_of: int = 0  # a copy the pool keeps (`allocate_copy`): its source
-
-
-@dataclasses.dataclass(frozen=True)
-class TierStats:
-  """Occupancy and traffic of one tier (summed over its nodes)."""
-  tier: Tier
-  enabled: bool
-  capacity: int
-  reserved: int
-  live: int
-  free: int
-  largest_free: int
-  external_fragmentation: float
-  slab_objects: int
-  extent_objects: int
-  alloc_latency_mean_ns: float
-  alloc_latency_max_ns: int
-  bytes_read: int
-  bytes_written: int
-  nodes: tuple[int, ...]
-  emulated: bool
-  link: LinkModel | None
-  backing: tuple[str, ...]
-  memory_tiers: tuple[int | None, ...] = ()
-  firmware_links: tuple[FirmwareLink, ...] = ()
-
-  @property
-  def objects(self) -> int:
-    return self.slab_objects + self.extent_objects
-
-  @property
-  def link_source(self) -> str | None:
-    """Where the tier's link figures come from.
-
-    'EMULATED' (the link model of an emulated tier), 'HMAT' (a real tier
-    whose every node has firmware figures), or None (a real tier without
-    them: `Pool.link_estimate` measures it).
-    """
-    if self.emulated:
-      return "EMULATED"
-    if self.firmware_links:
-      return self.firmware_links[0].source
-    return None
-
-  @property
-  def firmware_link(self) -> LinkModel | None:
-    """The firmware figures of the tier's nodes as one link, or None.
-
-    Objects are spread over the nodes by their bandwidth, so the bandwidths
-    add up; the latency is the slowest node's.
-    """
-    if not self.firmware_links:
-      return None
-    return LinkModel(
-        bandwidth=sum(f.read_bandwidth for f in self.firmware_links),
-        latency_s=max(f.read_latency_s for f in self.firmware_links))
-
-  def label(self) -> str:
-    """The tier's name with how it is backed: 'cxl (EMULATED: ...)'."""
-    if self.tier is Tier.NVME:
-      return f"nvme ({', '.join(self.backing)})"
-    if not self.emulated:
-      text = f"{self.tier.value} (nodes {list(self.nodes)}"
-      if any(t is not None for t in self.memory_tiers):
-        text += f", kernel memory tiers {list(self.memory_tiers)}"
-      if self.firmware_links:
-        text += f"; link from {self.link_source}: " + ", ".join(
-            str(f) for f in self.firmware_links)
-      return text + ")"
-    link = f"link {self.link}" if self.link else "no link model"
-    return (f"{self.tier.value} (EMULATED on DRAM of nodes "
-            f"{list(self.nodes)}, {link})")
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolStats:
-  """A snapshot of every tier of a pool."""
-  pool_id: int
-  tiers: dict[Tier, TierStats]
-
-  def __getitem__(self, tier: str | Tier) -> TierStats:
-    return self.tiers[as_tier(tier)]
-
-  @property
-  def emulated(self) -> tuple[Tier, ...]:
-    return tuple(t for t, s in self.tiers.items() if s.enabled and s.emulated)
-
-  def __str__(self) -> str:
-    lines = [f"jcxl pool {self.pool_id}"]
-    for s in self.tiers.values():
-      if not s.enabled:
-        continue
-      lines.append(
-          f"  {s.label()}: {s.objects} objects, live "
-          f"{format_bytes(s.live)} / reserved {format_bytes(s.reserved)} / "
-          f"capacity {format_bytes(s.capacity)}, fragmentation "
-          f"{s.external_fragmentation:.1%}, read {format_bytes(s.bytes_read)},"
-          f" written {format_bytes(s.bytes_written)}")
-    return "\n".join(lines)
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferRecord:
-  """One finished copy-engine request (times on the engine's clock, ns)."""
-  id: int
-  handle: int
-  tier: Tier
-  node: int
-  to_pool: bool
-  nbytes: int
-  priority: int
-  queued_ns: int
-  started_ns: int
-  finished_ns: int
-  ok: bool
-
-  @classmethod
-  def from_engine(cls, raw: Any) -> TransferRecord:
-    """From the copy engine's record (``_jcxl.TransferRecord``)."""
-    return cls(raw.id, raw.handle, _TIERS_BY_INDEX[raw.tier], raw.node,
-               raw.to_pool, raw.bytes, raw.priority, raw.queued_ns,
-               raw.started_ns, raw.finished_ns, raw.ok)
-
-  @property
-  def seconds(self) -> float:
-    return (self.finished_ns - self.started_ns) * 1e-9
-
-
-# How long a wait that timed out gives the cancelled copy to stop (it ends
-# after the chunk it is on), so that what it had not moved it never moves.
-_CANCEL_GRACE_S = 2.0
-
-
-def _timeout_seconds(value: Any, name: str = "timeout_s") -> float:
-  """Validates a timeout in seconds: a number >= 0 (inf: no deadline)."""
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
-                                                      np.floating)):
-    raise TypeError(f"{name} must be a number of seconds, but got "
-                    f"{value!r} ({type(value).__name__})")
-  seconds = float(value)
-  if not seconds >= 0:  # also nan
-    raise ValueError(f"{name} must be >= 0 seconds (inf for no deadline), "
-                     f"but got {value!r}")
-  return seconds
-
-
-class Transfer:
-  """An asynchronous copy in flight; ``wait()`` until it is done.
-
-  The copy engine holds its own reference to the host buffer until it is
-  done with it, so a transfer may be dropped unwaited, or its wait may
-  fail, at any time: the buffer is freed only once no byte of it moves.
-  """
-
-  def __init__(self, ticket: Any, buffer: np.ndarray, timeout_s: float):
-    self._ticket = ticket
-    self._buffer = buffer
-    self._timeout_s = timeout_s
-
-  def done(self) -> bool:
-    return self._ticket.done()
-
-  def wait(self, timeout_s: float | None = None) -> np.ndarray:
-    """Waits for the copy and returns its host buffer.
-
-    A copy that times out is cancelled: what it had not moved yet it never
-    moves, so its destination (the buffer, or the object for a write) is
-    left partly written, and nothing else is touched.
-
-    Args:
-      timeout_s: seconds to wait, >= 0 (``math.inf``: no deadline); None:
-        the pool's `timeout_s`. A bad value raises before anything else
-        happens: the transfer can still be waited for.
-
-    Raises:
-      TypeError: `timeout_s` is not a number.
-      ValueError: `timeout_s` is negative or nan.
-      TransferTimeoutError: the copy did not finish within `timeout_s`; the
-        message names the object and the time waited.
-      TierIOError: the nvme tier's file system failed the copy.
-      PoolClosedError: the pool was closed before the copy ran.
-    """
-    timeout_s = (self._timeout_s if timeout_s is None else
-                 _timeout_seconds(timeout_s))
-    try:
-      self._ticket.wait(timeout_s)
-    except errors.TransferTimeoutError:
-      self._ticket.cancel()
-      try:  # a cancelled copy stops after the chunk it is on
-        self._ticket.wait(_CANCEL_GRACE_S)
-      except errors.JcxlError:
-        pass
-      raise
-    return self._buffer
-
-  @property
-  def record(self) -> TransferRecord:
-    return TransferRecord.from_engine(self._ticket.record())
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateStats:
-  """What a pool's update programs did (see ``Pool.run_update``).
-
-  Attributes:
-    runs: runs finished, failed ones included.
-    failed: of those, the runs that ended with an error.
-    elements: elements of the runs that succeeded.
-    bytes_read: object bytes the programs read (not counted in the tiers'
-      bytes_read: those are what crosses the device link).
-    bytes_written: object bytes the programs wrote.
-    busy_ns: wall time of the runs, summed (start to end of each).
-    threads: update threads started so far (0 before the first run).
-  """
-  runs: int
-  failed: int
-  elements: int
-  bytes_read: int
-  bytes_written: int
-  busy_ns: int
-  threads: int
-
-  @property
-  def bandwidth(self) -> float:
-    """Object bytes read and written per second of run time."""
-    return (self.bytes_read + self.bytes_written) / max(self.busy_ns * 1e-9,
-                                                        1e-12)
-
-
-class UpdateRun:
-  """An update run in flight; ``wait()`` until it is done."""
-
-  def __init__(self, run: Any, timeout_s: float):
-    self._run = run
-    self._timeout_s = timeout_s
-
-  @property
-  def id(self) -> int:
-    return self._run.id
-
-  @property
-  def program_id(self) -> int:
-    return self._run.program_id
-
-  def done(self) -> bool:
-    return self._run.done()
-
-  def wait(self, timeout_s: float | None = None) -> None:
-    """Waits for the run.
-
-    Args:
-      timeout_s: seconds to wait, >= 0 (``math.inf``: no deadline); None:
-        the pool's `timeout_s`. A run that times out keeps running: its
-        objects are not ready until it is done.
-
-    Raises:
-      TransferTimeoutError: the run did not finish within `timeout_s`.
-      TierIOError: an nvme object could not be read or written.
-      PoolClosedError: the pool was closed before the run ended.
-    """
-    timeout_s = (self._timeout_s if timeout_s is None else
-                 _timeout_seconds(timeout_s))
-    self._run.wait(timeout_s)
 
 
 @functools.lru_cache(maxsize=None)
@@ -551,7 +177,7 @@ class Pool:
       (host -> cxl -> nvme) instead of raising ``PoolExhaustedError``.
     copy_threads: copy-engine worker threads.
     chunk_bytes: size of the pieces large copies are split into.
-    update_threads: threads that run update programs (``run_update``) on
+    update_threads: threads that run update programs (``updates.run``) on
       the pool's objects; 0: one per CPU this process may use, at most 16.
       They start at the first run, each pinned to one NUMA node's CPUs on
       a machine of several.
@@ -608,8 +234,6 @@ class Pool:
     keep_nvme_files = validation.as_bool(keep_nvme_files,
                                          name="keep_nvme_files")
     self._frees = 0  # objects freed through `free`; see pool_array.Liveness
-    # Registered update programs by id (for trace-time checks).
-    self._update_programs: dict[int, update_program_lib.Program] = {}
     self.topology = topology or topology_lib.discover()
     if node is None:
       node = topology_lib.node_of_current_process(self.topology)
@@ -656,6 +280,8 @@ class Pool:
         self, _close_at_exit, self._pool, self._swap_dir, self._timeout_s,
         os.getpid())
     self.id = self._pool.id
+    # Host update programs on the pool's objects (see docs/host-update.md).
+    self.updates = PoolUpdates(self._pool, self.id, self._timeout_s)
     self._settings = {
         **{tier.value: format_bytes(c) for tier, c in capacities.items()},
         "cxl_link": self._cxl_backing(),
@@ -880,7 +506,7 @@ class Pool:
 
   def info(self, handle: int) -> ObjectInfo:
     raw = self._pool.info(_as_handle(handle))
-    return ObjectInfo(handle=raw.handle, tier=_TIERS_BY_INDEX[raw.tier],
+    return ObjectInfo(handle=raw.handle, tier=Tier.from_index(raw.tier),
                       node=raw.node, offset=raw.offset, nbytes=raw.bytes,
                       shape=tuple(raw.shape),
                       dtype=_dtype_from_name(raw.dtype), slab=raw.slab,
@@ -901,77 +527,6 @@ class Pool:
     """Moves objects so that no holes remain; handles stay valid."""
     self._pool.compact(self._timeout_s)
 
-  # ------------------------------------------------------------ updates
-
-  def register_update(self, program: update_program_lib.Program) -> int:
-    """Registers an update program on this pool's objects; returns its id.
-
-    Raises:
-      TypeError: `program` is not an update_program.Program, or a field of
-        it is not an int.
-      ValueError: the program is malformed (an operand that names no
-        earlier register, a scalar index past num_scalars, a scalar
-        output...), or an object it reads or writes does not hold exactly
-        `num_elements` float32 or bfloat16 elements.
-      UnknownHandleError: a handle is not this pool's (or was freed).
-    """
-    if not isinstance(program, update_program_lib.Program):
-      raise TypeError(f"register_update takes a jcxl update Program, got "
-                      f"{type(program).__name__}")
-    program_id = self._pool.register_update(program.to_native())
-    self._update_programs[program_id] = program
-    return program_id
-
-  def release_update(self, program_id: int) -> None:
-    """Forgets a program; runs of it in flight finish."""
-    program_id = _as_handle(program_id)
-    self._pool.release_update(program_id)
-    self._update_programs.pop(program_id, None)
-
-  def update_program(self, program_id: int) -> update_program_lib.Program:
-    """The registered program `program_id` (UnknownHandleError if none)."""
-    program = self._update_programs.get(program_id)
-    if program is None or self.closed:
-      raise errors.UnknownHandleError(
-          f"update program {program_id} is unknown to pool {self.id} "
-          f"(released, or never registered)")
-    return program
-
-  def run_update(self, program_id: int, scalars: Any = ()) -> UpdateRun:
-    """Starts a run of program `program_id`; ``wait()`` on the result.
-
-    Runs go one at a time, in the order started, over the pool's update
-    threads. The program's objects are pinned until the run is done
-    (``free`` and ``compact`` wait for it).
-
-    Args:
-      program_id: what ``register_update`` returned.
-      scalars: the run's `num_scalars` floats (learning rate, bias
-        corrections...), as float32.
-
-    Raises:
-      ValueError: `scalars` does not hold the program's num_scalars values.
-      UnknownHandleError: the program is unknown, or an object of it was
-        freed since it was registered (the message names it).
-    """
-    values = np.asarray(scalars, dtype=np.float32).reshape(-1)
-    run = self._pool.start_update(_as_handle(program_id),
-                                  [float(v) for v in values])
-    return UpdateRun(run, self._timeout_s)
-
-  def _hold_updates(self, hold: bool) -> None:
-    """Test hook: while held, update runs wait (they queue up), so that a
-    test can see what waits for them (``free``, ``close``, a step's
-    ``update_done`` timing out)."""
-    self._pool.hold_updates(bool(hold))
-
-  def update_stats(self) -> UpdateStats:
-    raw = self._pool.update_stats()
-    return UpdateStats(runs=raw.runs, failed=raw.failed,
-                       elements=raw.elements, bytes_read=raw.bytes_read,
-                       bytes_written=raw.bytes_written, busy_ns=raw.busy_ns,
-                       threads=raw.threads)
-
   # -------------------------------------------------------------- state
 
   def settings(self) -> dict[str, Any]:
@@ -984,7 +539,7 @@ class Pool:
   def stats(self) -> PoolStats:
     tiers = {}
     for raw in self._pool.stats():
-      tier = _TIERS_BY_INDEX[raw.tier]
+      tier = Tier.from_index(raw.tier)
       arenas = raw.arenas
       allocs = [a.allocator for a in arenas]
       allocations = sum(a.allocations for a in allocs)

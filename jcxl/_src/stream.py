@@ -416,14 +416,14 @@ def update_start(pool_id: int, program_id: int, scalars: Any, after: Any = None
                  ) -> jax.Array:
   """Starts a run of update program `program_id` inside a jitted step.
 
-  The run (see ``Pool.run_update``) goes on the pool's update threads while
+  The run (see ``pool.updates.run``) goes on the pool's update threads while
   the step carries on; ``update_done`` waits for it. Call it once per step
   on one device (not replicated over a mesh: every replica would start a
   run).
 
   Args:
     pool_id: the pool's id (``Pool.id``).
-    program_id: what ``Pool.register_update`` returned.
+    program_id: what ``pool.updates.register`` returned.
     scalars: the run's float32[num_scalars] values (learning rate, bias
       corrections...), traced.
     after: a value (or pytree) that must exist before the run starts: the
@@ -439,7 +439,7 @@ def update_start(pool_id: int, program_id: int, scalars: Any, after: Any = None
   """
   registry.register_ffi_targets()
   pool = registry.find_pool(pool_id, what=f"update program {program_id}")
-  program = pool.update_program(program_id)
+  program = pool.updates.program(program_id)
   scalars = jnp.asarray(scalars)
   if scalars.ndim != 1 or not jnp.issubdtype(scalars.dtype, jnp.floating):
     raise ValueError(f"update program {program_id}: scalars must be a "

@@ -157,7 +157,7 @@ def _make(pool: Any, node: HostUpdateNode, program: Program
       except PoolExhaustedError:
         node.copies.remove(c)
     for device, _ in next(iter(node.writes.values())).local_handles:
-      programs.append((device, pool.register_update(
+      programs.append((device, pool.updates.register(
           host_update.compile_program(
               node, program, {k: dict(staging[j].local_handles)[device]
                               for j, k in enumerate(node.grads)},
@@ -165,7 +165,7 @@ def _make(pool: Any, node: HostUpdateNode, program: Program
               device=device))))
   except BaseException:
     for _, program_id in programs:
-      pool.release_update(program_id)
+      pool.updates.release(program_id)
     for x in list(staging.values()) + list(copies.values()):
       for _, handle in x.local_handles:
         pool.free(handle)
@@ -256,7 +256,7 @@ def _release(made: dict, running: list[Any]) -> None:
     if pool is None:
       continue  # closed: its objects and programs went with it
     for _, program_id in programs:
-      pool.release_update(program_id)
+      pool.updates.release(program_id)
     for x in list(staging.values()) + list(copies.values()):
       for _, handle in x.local_handles:
         pool.free(handle)
@@ -278,7 +278,7 @@ def measured_rates(pool_id: int) -> Rates:
   capacities = {t.value: 0 for t in Tier}
   capacities[tier.value] = _CALIBRATION_POOL_BYTES
   with pool_lib.Pool(**capacities, topology=pool.topology, node=pool.node,
-                     update_threads=pool.update_stats().threads
+                     update_threads=pool.updates.stats().threads
                      ) as scratch:
     seconds = _update_seconds(scratch, tier)
   _, elements_per_s = compute_estimate.device_rates()
@@ -309,15 +309,15 @@ def _update_seconds(pool: Any, tier: Tier) -> float:
                          code=code, outputs=[up.Output(reg=16, handle=p),
                                              up.Output(reg=9, handle=m),
                                              up.Output(reg=12, handle=v)])
-    program_id = pool.register_update(program)
+    program_id = pool.updates.register(program)
     try:
       times = []
       for _ in range(3):
         started = time.perf_counter()
-        pool.run_update(program_id, []).wait()
+        pool.updates.run(program_id, []).wait()
         times.append(time.perf_counter() - started)
     finally:
-      pool.release_update(program_id)
+      pool.updates.release(program_id)
   finally:
     for h in handles:
       pool.free(h)
