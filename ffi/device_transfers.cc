@@ -245,7 +245,7 @@ Status DeviceTransfers::Start(DeviceRequest request) {
   job->ops = ops_.get();
   job->r = std::move(request);
   const DeviceRequest& r = job->r;
-  StatusOr<ObjectInfo> info = r.pool->Info(r.handle);
+  StatusOr<ObjectInfo> info = r.pool->objects().Info(r.handle);
   job->record.handle = r.handle;
   job->record.tier = info.ok() ? static_cast<int>(info->tier) : 0;
   job->record.node = info.ok() ? info->node : -1;
@@ -290,21 +290,21 @@ Status DeviceTransfers::StartDirect(const std::shared_ptr<Job>& job,
   const DeviceRequest& r = job->r;
   Pool& pool = *r.pool;
   StatusOr<DirectRange> range =
-      pool.BeginDirect(r.handle, r.bytes, offset, r.direction);
+      pool.direct().BeginDirect(r.handle, r.bytes, offset, r.direction);
   if (!range.ok()) {
     // Refused (nvme, a link model): staged. Anything else is the step's
     // error (a freed handle, a closed pool).
     return range.status().code() == Code::kInvalidArgument ? Status::Ok()
                                                            : range.status();
   }
-  PageLocks& locks = pool.page_locks();
+  PageLocks& locks = pool.direct().page_locks();
   if (!locks.installed()) locks.Install(ops_->Locker(), lock_chunk_bytes_);
   Status locked = locks.Ensure(range->region_base, range->region_bytes,
                                range->address, range->bytes);
   if (!locked.ok()) {
     DirectRange unused = *range;
     unused.bytes = 0;  // nothing moved
-    pool.EndDirect(unused);
+    pool.direct().EndDirect(unused);
     std::lock_guard<std::mutex> lock(mu_);
     ++counters_.staged_lock_failed;
     return Status::Ok();
@@ -385,10 +385,10 @@ Status DeviceTransfers::RunStaged(Job& job, uint64_t offset) {
   // The pool's side, through the copy engine (the link model applies).
   auto pool_copy = [&]() -> Status {
     StatusOr<std::shared_ptr<Ticket>> ticket =
-        fetch ? r.pool->Read(r.handle, job.bounce.data, r.bytes, offset,
-                             r.priority, r.chunk_bytes)
-              : r.pool->Write(r.handle, job.bounce.data, r.bytes, offset,
-                              r.priority, r.chunk_bytes);
+        fetch ? r.pool->transfers().Read(r.handle, job.bounce.data, r.bytes,
+                                         offset, r.priority, r.chunk_bytes)
+              : r.pool->transfers().Write(r.handle, job.bounce.data, r.bytes,
+                                          offset, r.priority, r.chunk_bytes);
     if (!ticket.ok()) return ticket.status();
     Status status = (*ticket)->Wait(r.timeout_ns);
     if (!(*ticket)->done()) {
@@ -452,7 +452,7 @@ void DeviceTransfers::Complete(const std::shared_ptr<Job>& job) {
   }
   if (job->pinned) {
     if (!job_ok) job->range.bytes = 0;  // not known to have moved
-    job->r.pool->EndDirect(job->range);
+    job->r.pool->direct().EndDirect(job->range);
     job->pinned = false;
   }
   slots_.Release(job->slot);

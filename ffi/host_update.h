@@ -15,9 +15,10 @@
 // of the program, plus one bounce buffer for FileArena's unaligned edges):
 // a block is read, run, and written back.
 //
-// Lifetime: the Pool owns its HostUpdater and pins a run's objects from
-// Submit until the run's on_complete; the destructor fails queued runs
-// (kClosed), stops the running one after the blocks under way, and joins.
+// Lifetime: a pool's UpdateService (update_service.h) owns its HostUpdater
+// and pins a run's objects from Submit until the run's on_complete; the
+// destructor fails queued runs (kClosed), stops the running one after the
+// blocks under way, and joins.
 #ifndef JCXL_FFI_HOST_UPDATE_H_
 #define JCXL_FFI_HOST_UPDATE_H_
 

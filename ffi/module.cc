@@ -461,90 +461,98 @@ NB_MODULE(_jcxl, m) {
       .def("record", &Ticket::record);
 
   nb::class_<Pool>(m, "Pool")
-      .def_static("create",
-                  [](const PoolConfig& config) {
-                    return Unwrap(Pool::Create(config));
-                  })
+      .def_static(
+          "create",
+          [](const PoolConfig& config) { return Unwrap(Pool::Create(config)); })
       .def_prop_ro("id", &Pool::id)
       .def_prop_ro("closed", &Pool::closed)
-      .def("allocate",
-           [](Pool& p, int tier, uint64_t bytes, std::vector<int64_t> shape,
-              std::string dtype, double timeout_s) {
-             if (tier < 0 || tier >= kNumTiers) {
-               throw nb::value_error("tier index out of range");
-             }
-             const int64_t timeout_ns = SecondsToNs(timeout_s);
-             StatusOr<int32_t> handle(0);
-             {
-               // It may wait for transfers, to compact a fragmented tier.
-               nb::gil_scoped_release release;
-               handle = p.Allocate(static_cast<TierKind>(tier), bytes,
-                                   std::move(shape), std::move(dtype),
-                                   timeout_ns);
-             }
-             return Unwrap(std::move(handle));
-           },
-           nb::arg("tier"), nb::arg("bytes"), nb::arg("shape"),
-           nb::arg("dtype"), nb::arg("timeout_s"))
-      .def("allocate_copy",
-           [](Pool& p, int32_t source, std::string dtype, double timeout_s) {
-             const int64_t timeout_ns = SecondsToNs(timeout_s);
-             StatusOr<int32_t> handle(0);
-             {
-               nb::gil_scoped_release release;
-               handle = p.AllocateCopy(source, std::move(dtype), timeout_ns);
-             }
-             return Unwrap(std::move(handle));
-           },
-           nb::arg("source"), nb::arg("dtype"), nb::arg("timeout_s"))
+      .def(
+          "allocate",
+          [](Pool& p, int tier, uint64_t bytes, std::vector<int64_t> shape,
+             std::string dtype, double timeout_s) {
+            if (tier < 0 || tier >= kNumTiers) {
+              throw nb::value_error("tier index out of range");
+            }
+            const int64_t timeout_ns = SecondsToNs(timeout_s);
+            StatusOr<int32_t> handle(0);
+            {
+              // It may wait for transfers, to compact a fragmented tier.
+              nb::gil_scoped_release release;
+              handle = p.objects().Allocate(static_cast<TierKind>(tier), bytes,
+                                            std::move(shape), std::move(dtype),
+                                            timeout_ns);
+            }
+            return Unwrap(std::move(handle));
+          },
+          nb::arg("tier"), nb::arg("bytes"), nb::arg("shape"), nb::arg("dtype"),
+          nb::arg("timeout_s"))
+      .def(
+          "allocate_copy",
+          [](Pool& p, int32_t source, std::string dtype, double timeout_s) {
+            const int64_t timeout_ns = SecondsToNs(timeout_s);
+            StatusOr<int32_t> handle(0);
+            {
+              nb::gil_scoped_release release;
+              handle = p.updates().AllocateCopy(source, std::move(dtype),
+                                                timeout_ns);
+            }
+            return Unwrap(std::move(handle));
+          },
+          nb::arg("source"), nb::arg("dtype"), nb::arg("timeout_s"))
       .def("free",
            [](Pool& p, int32_t handle, double timeout_s) {
              const int64_t timeout_ns = SecondsToNs(timeout_s);
              Status status;
              {
                nb::gil_scoped_release release;
-               status = p.Free(handle, timeout_ns);
+               status = p.objects().Free(handle, timeout_ns);
              }
              ThrowIfError(status);
            })
       // `owner` holds the memory at `src` / `dst` (a numpy array): the
       // engine keeps a reference to it until the copy is done.
-      .def("write",
-           [](Pool& p, int32_t handle, uintptr_t src, uint64_t bytes,
-              uint64_t offset, int priority, uint64_t chunk_bytes,
-              nb::handle owner) {
-             LentBuffers::Release();
-             return Unwrap(p.Write(handle, reinterpret_cast<const void*>(src),
-                                   bytes, offset, priority, chunk_bytes,
-                                   LentBuffers::Lend(owner)));
-           },
-           nb::arg("handle"), nb::arg("src"), nb::arg("bytes"),
-           nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
-           nb::arg("owner"))
-      .def("read",
-           [](Pool& p, int32_t handle, uintptr_t dst, uint64_t bytes,
-              uint64_t offset, int priority, uint64_t chunk_bytes,
-              nb::handle owner) {
-             LentBuffers::Release();
-             return Unwrap(p.Read(handle, reinterpret_cast<void*>(dst), bytes,
-                                  offset, priority, chunk_bytes,
-                                  LentBuffers::Lend(owner)));
-           },
-           nb::arg("handle"), nb::arg("dst"), nb::arg("bytes"),
-           nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
-           nb::arg("owner"))
+      .def(
+          "write",
+          [](Pool& p, int32_t handle, uintptr_t src, uint64_t bytes,
+             uint64_t offset, int priority, uint64_t chunk_bytes,
+             nb::handle owner) {
+            LentBuffers::Release();
+            return Unwrap(p.transfers().Write(
+                handle, reinterpret_cast<const void*>(src), bytes, offset,
+                priority, chunk_bytes, LentBuffers::Lend(owner)));
+          },
+          nb::arg("handle"), nb::arg("src"), nb::arg("bytes"),
+          nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
+          nb::arg("owner"))
+      .def(
+          "read",
+          [](Pool& p, int32_t handle, uintptr_t dst, uint64_t bytes,
+             uint64_t offset, int priority, uint64_t chunk_bytes,
+             nb::handle owner) {
+            LentBuffers::Release();
+            return Unwrap(p.transfers().Read(
+                handle, reinterpret_cast<void*>(dst), bytes, offset, priority,
+                chunk_bytes, LentBuffers::Lend(owner)));
+          },
+          nb::arg("handle"), nb::arg("dst"), nb::arg("bytes"),
+          nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
+          nb::arg("owner"))
       .def("info",
-           [](Pool& p, int32_t handle) { return Unwrap(p.Info(handle)); })
-      .def("handles", &Pool::Handles)
+           [](Pool& p, int32_t handle) {
+             return Unwrap(p.objects().Info(handle));
+           })
+      .def("handles", [](Pool& p) { return p.objects().Handles(); })
       .def("page_nodes",
-           [](Pool& p, int32_t handle) { return Unwrap(p.PageNodes(handle)); })
+           [](Pool& p, int32_t handle) {
+             return Unwrap(p.objects().PageNodes(handle));
+           })
       .def("compact",
            [](Pool& p, double timeout_s) {
              const int64_t timeout_ns = SecondsToNs(timeout_s);
              Status status;
              {
                nb::gil_scoped_release release;
-               status = p.Compact(timeout_ns);
+               status = p.objects().Compact(timeout_ns);
              }
              ThrowIfError(status);
            })
@@ -560,41 +568,51 @@ NB_MODULE(_jcxl, m) {
              spec.direction = direction;
              spec.skip = skip;
              spec.count = count;
-             ThrowIfError(p.InjectFault(spec));
+             ThrowIfError(p.test_hooks().InjectFault(spec));
            })
-      .def_prop_ro("faults_injected", &Pool::faults_injected)
+      .def_prop_ro("faults_injected",
+                   [](Pool& p) { return p.test_hooks().faults_injected(); })
       .def("set_link",
            [](Pool& p, int tier, double bytes_per_second, int64_t latency_ns) {
-             ThrowIfError(p.SetLink(static_cast<TierKind>(tier),
-                                    bytes_per_second, latency_ns));
+             ThrowIfError(p.objects().SetLink(static_cast<TierKind>(tier),
+                                              bytes_per_second, latency_ns));
            })
-      .def("stats", &Pool::Stats)
-      .def("drain_records", &Pool::DrainRecords)
-      .def("register_update",
-           [](Pool& p, UpdateProgram program) {
-             return Unwrap(p.RegisterUpdate(std::move(program)));
-           },
-           nb::arg("program"))
-      .def("release_update",
-           [](Pool& p, int32_t id) { ThrowIfError(p.ReleaseUpdate(id)); },
-           nb::arg("program_id"))
-      .def("start_update",
-           [](Pool& p, int32_t id, std::vector<float> scalars) {
-             StatusOr<std::shared_ptr<UpdateRun>> run(
-                 std::shared_ptr<UpdateRun>{});
-             {
-               // It waits for a compaction under way.
-               nb::gil_scoped_release release;
-               run = p.StartUpdate(id, std::move(scalars));
-             }
-             return Unwrap(std::move(run));
-           },
-           nb::arg("program_id"), nb::arg("scalars"))
-      .def("update_stats", &Pool::update_stats)
-      .def("hold_updates",
-           [](Pool& p, bool hold) { ThrowIfError(p.HoldUpdates(hold)); },
-           nb::arg("hold"),
-           "Test hook: while held, update workers take no new block.")
+      .def("stats", [](Pool& p) { return p.objects().Stats(); })
+      .def("drain_records",
+           [](Pool& p) { return p.transfers().DrainRecords(); })
+      .def(
+          "register_update",
+          [](Pool& p, UpdateProgram program) {
+            return Unwrap(p.updates().RegisterUpdate(std::move(program)));
+          },
+          nb::arg("program"))
+      .def(
+          "release_update",
+          [](Pool& p, int32_t id) {
+            ThrowIfError(p.updates().ReleaseUpdate(id));
+          },
+          nb::arg("program_id"))
+      .def(
+          "start_update",
+          [](Pool& p, int32_t id, std::vector<float> scalars) {
+            StatusOr<std::shared_ptr<UpdateRun>> run(
+                std::shared_ptr<UpdateRun>{});
+            {
+              // It waits for a compaction under way.
+              nb::gil_scoped_release release;
+              run = p.updates().StartUpdate(id, std::move(scalars));
+            }
+            return Unwrap(std::move(run));
+          },
+          nb::arg("program_id"), nb::arg("scalars"))
+      .def("update_stats", [](Pool& p) { return p.updates().update_stats(); })
+      .def(
+          "hold_updates",
+          [](Pool& p, bool hold) {
+            ThrowIfError(p.test_hooks().HoldUpdates(hold));
+          },
+          nb::arg("hold"),
+          "Test hook: while held, update workers take no new block.")
       .def("close", [](Pool& p, double timeout_s) {
         const int64_t timeout_ns = SecondsToNs(timeout_s);
         Status status;

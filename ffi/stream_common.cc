@@ -158,7 +158,7 @@ ffi::ErrorOr<Target> Resolve(const char* handler, const Slice& slice,
                              "pool " + std::to_string(slice.pool_id) +
                                  " is closed or was never opened"));
   }
-  StatusOr<ObjectInfo> info = target.pool->Info(slice.handle);
+  StatusOr<ObjectInfo> info = target.pool->objects().Info(slice.handle);
   if (!info.ok()) return Unexpected(handler, info.status());
   const char* dtype = DTypeName(buffer.dtype);
   if (info->dtype != dtype) {

@@ -139,10 +139,9 @@ ffi::Error FetchStart(int64_t run, ffi::Buffer<ffi::S32> handle,
                               stacked, block_rows, *out);
   if (target.has_error()) return target.error();
   AdviseHugePages(out->untyped_data(), out->size_bytes());
-  StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Read(
+  StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->transfers().Read(
       handle.typed_data()[0], out->untyped_data(), out->size_bytes(),
-      target->offset,
-      priority, static_cast<uint64_t>(chunk_bytes));
+      target->offset, priority, static_cast<uint64_t>(chunk_bytes));
   return File("jcxl_fetch_start", run, out->untyped_data(),
               std::move(ticket));
 }
@@ -197,10 +196,9 @@ ffi::Error StoreStart(int64_t run, ffi::Buffer<ffi::S32> handle,
   if (out->untyped_data() != in.untyped_data()) {  // not aliased after all
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
   }
-  StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->Write(
+  StatusOr<std::shared_ptr<Ticket>> ticket = target->pool->transfers().Write(
       handle.typed_data()[0], out->untyped_data(), out->size_bytes(),
-      target->offset,
-      priority, static_cast<uint64_t>(chunk_bytes));
+      target->offset, priority, static_cast<uint64_t>(chunk_bytes));
   return File("jcxl_store_start", run, out->untyped_data(),
               std::move(ticket));
 }

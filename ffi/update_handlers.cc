@@ -113,7 +113,7 @@ ffi::ErrorOr<uint64_t> StartUpdateRun(const char* handler, int32_t pool_id,
                                       "pool " + std::to_string(pool_id) +
                                           " is closed or was never opened"));
   }
-  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(
+  StatusOr<std::shared_ptr<UpdateRun>> run = pool->updates().StartUpdate(
       program, std::vector<float>(scalars, scalars + count));
   if (!run.ok()) return Unexpected(handler, run.status());
   const uint64_t id = (*run)->id();

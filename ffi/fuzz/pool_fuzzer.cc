@@ -164,10 +164,10 @@ class PoolFuzzer {
     // Some objects are float32 (for update programs).
     const bool floats = bytes % 4 == 0 && in_.Byte() % 2 == 0;
     StatusOr<int32_t> handle =
-        floats ? a_->Allocate(tier, bytes, {static_cast<int64_t>(bytes / 4)},
-                              "float32")
-               : a_->Allocate(tier, bytes, {static_cast<int64_t>(bytes)},
-                              "uint8");
+        floats ? a_->objects().Allocate(
+                     tier, bytes, {static_cast<int64_t>(bytes / 4)}, "float32")
+               : a_->objects().Allocate(tier, bytes,
+                                        {static_cast<int64_t>(bytes)}, "uint8");
     if (!handle.ok()) {
       FUZZ_CHECK(handle.status().code() == Code::kExhausted,
                  handle.status().message());
@@ -180,8 +180,8 @@ class PoolFuzzer {
     }
     std::vector<char> data(bytes);
     Fill(data.data(), bytes, next_seed_++);
-    const Status written = Wait(a_->Write(*handle, data.data(), bytes, 0, 0,
-                                          in_.Range(0, 3) * 64 * 1024));
+    const Status written = Wait(a_->transfers().Write(
+        *handle, data.data(), bytes, 0, 0, in_.Range(0, 3) * 64 * 1024));
     FUZZ_CHECK(written.ok(), written.message());
     shadow_[*handle] = std::move(data);
     if (floats) floats_.insert(*handle);
@@ -193,7 +193,7 @@ class PoolFuzzer {
   }
 
   void FreeHandle(int32_t handle) {
-    const Status freed = a_->Free(handle, kWaitNs);
+    const Status freed = a_->objects().Free(handle, kWaitNs);
     FUZZ_CHECK(freed.ok(), freed.message());
     shadow_.erase(handle);
     floats_.erase(handle);
@@ -214,14 +214,15 @@ class PoolFuzzer {
     program.inputs = {{UpdateInput::Kind::kObject, handle}};
     program.code = {{UpdateOp::kNeg, 0}};
     program.outputs = {{1, handle}};
-    StatusOr<int32_t> id = a_->RegisterUpdate(program);
+    StatusOr<int32_t> id = a_->updates().RegisterUpdate(program);
     if (!floats) {
       FUZZ_CHECK(id.status().code() == Code::kInvalidArgument,
                  "an update program registered on uint8 " + H(handle));
       return;
     }
     FUZZ_CHECK(id.ok(), id.status().message());
-    StatusOr<std::shared_ptr<UpdateRun>> run = a_->StartUpdate(*id, {});
+    StatusOr<std::shared_ptr<UpdateRun>> run =
+        a_->updates().StartUpdate(*id, {});
     FUZZ_CHECK(run.ok(), run.status().message());
     for (size_t i = 3; i < data.size(); i += 4) data[i] ^= '\x80';
     switch (in_.Byte() % 3) {
@@ -230,7 +231,8 @@ class PoolFuzzer {
       case 1:
         FreeHandle(handle);  // waits for the run
         FUZZ_CHECK((*run)->Wait(kWaitNs).ok(), "the run failed");
-        FUZZ_CHECK(a_->StartUpdate(*id, {}).status().code() == Code::kNotFound,
+        FUZZ_CHECK(a_->updates().StartUpdate(*id, {}).status().code() ==
+                       Code::kNotFound,
                    "a run started on freed " + H(handle));
         break;
       default:
@@ -239,7 +241,7 @@ class PoolFuzzer {
     }
     const Status waited = (*run)->Wait(kWaitNs);
     FUZZ_CHECK(waited.ok(), waited.message());
-    FUZZ_CHECK(a_->ReleaseUpdate(*id).ok(), "release failed");
+    FUZZ_CHECK(a_->updates().ReleaseUpdate(*id).ok(), "release failed");
   }
 
   void Write() {
@@ -250,9 +252,8 @@ class PoolFuzzer {
     const uint64_t bytes = in_.Range(1, data.size() - offset);
     char* update = Scratch(bytes);
     Fill(update, bytes, next_seed_++);
-    const Status written =
-        Wait(a_->Write(handle, update, bytes, offset, in_.Byte() % 3,
-                       in_.Range(0, 3) * 4096));
+    const Status written = Wait(a_->transfers().Write(
+        handle, update, bytes, offset, in_.Byte() % 3, in_.Range(0, 3) * 4096));
     if (copy_of_.count(handle)) {
       FUZZ_CHECK(written.code() == Code::kInvalidArgument,
                  "a write of the copy " + H(handle) + " accepted");
@@ -269,8 +270,8 @@ class PoolFuzzer {
     const uint64_t offset = in_.Range(0, data.size() - 1);
     const uint64_t bytes = in_.Range(1, data.size() - offset);
     char* out = Scratch(bytes);
-    const Status read = Wait(a_->Read(handle, out, bytes, offset,
-                                      in_.Byte() % 3, in_.Range(0, 3) * 4096));
+    const Status read = Wait(a_->transfers().Read(
+        handle, out, bytes, offset, in_.Byte() % 3, in_.Range(0, 3) * 4096));
     if (Orphan(handle)) {
       FUZZ_CHECK(read.code() == Code::kNotFound,
                  "the copy " + H(handle) + " of a freed object was read");
@@ -283,9 +284,9 @@ class PoolFuzzer {
   }
 
   void Compact() {
-    const Status compacted = a_->Compact(kWaitNs);
+    const Status compacted = a_->objects().Compact(kWaitNs);
     FUZZ_CHECK(compacted.ok(), compacted.message());
-    for (const TierStats& tier : a_->Stats()) {
+    for (const TierStats& tier : a_->objects().Stats()) {
       for (const ArenaStats& arena : tier.arenas) {
         FUZZ_CHECK(arena.allocator.hole_bytes == 0, "holes after compact");
       }
@@ -296,15 +297,17 @@ class PoolFuzzer {
   // Every call on a handle `pool` does not hold answers kNotFound.
   void Rejects(Pool& pool, int32_t handle) {
     char buffer[16] = {};
-    FUZZ_CHECK(pool.Info(handle).status().code() == Code::kNotFound,
+    FUZZ_CHECK(pool.objects().Info(handle).status().code() == Code::kNotFound,
                H(handle) + " resolved in pool " + std::to_string(pool.id()));
-    FUZZ_CHECK(pool.Read(handle, buffer, 1, 0, 0, 0).status().code() ==
-                   Code::kNotFound,
-               H(handle) + " could be read");
-    FUZZ_CHECK(pool.Write(handle, buffer, 1, 0, 0, 0).status().code() ==
-                   Code::kNotFound,
-               H(handle) + " could be written");
-    FUZZ_CHECK(pool.Free(handle, kWaitNs).code() == Code::kNotFound,
+    FUZZ_CHECK(
+        pool.transfers().Read(handle, buffer, 1, 0, 0, 0).status().code() ==
+            Code::kNotFound,
+        H(handle) + " could be read");
+    FUZZ_CHECK(
+        pool.transfers().Write(handle, buffer, 1, 0, 0, 0).status().code() ==
+            Code::kNotFound,
+        H(handle) + " could be written");
+    FUZZ_CHECK(pool.objects().Free(handle, kWaitNs).code() == Code::kNotFound,
                H(handle) + " could be freed");
   }
 
@@ -316,7 +319,8 @@ class PoolFuzzer {
     if (!b_handles_.empty()) {
       const int32_t handle = b_handles_[in_.Range(0, b_handles_.size() - 1)];
       Rejects(*a_, handle);
-      FUZZ_CHECK(b_->Info(handle).ok(), H(handle) + " lost in pool B");
+      FUZZ_CHECK(b_->objects().Info(handle).ok(),
+                 H(handle) + " lost in pool B");
     }
     if (!shadow_.empty()) {
       const int32_t handle = Pick();
@@ -338,11 +342,13 @@ class PoolFuzzer {
     const uint64_t bytes =
         offset > size ? in_.Range(0, 64) : size - offset + in_.Range(1, 4096);
     std::vector<char> buffer(bytes + 1, 0x5a);
-    FUZZ_CHECK(a_->Read(handle, buffer.data(), bytes, offset, 0, 0)
+    FUZZ_CHECK(a_->transfers()
+                       .Read(handle, buffer.data(), bytes, offset, 0, 0)
                        .status()
                        .code() == Code::kInvalidArgument,
                "read past the end of " + H(handle) + " accepted");
-    FUZZ_CHECK(a_->Write(handle, buffer.data(), bytes, offset, 0, 0)
+    FUZZ_CHECK(a_->transfers()
+                       .Write(handle, buffer.data(), bytes, offset, 0, 0)
                        .status()
                        .code() == Code::kInvalidArgument,
                "write past the end of " + H(handle) + " accepted");
@@ -350,13 +356,14 @@ class PoolFuzzer {
 
   void ChurnB() {
     if (in_.Byte() % 2 == 0 || b_handles_.empty()) {
-      StatusOr<int32_t> handle =
-          b_->Allocate(TierKind::kHost, in_.Range(1, 8192), {}, "uint8");
+      StatusOr<int32_t> handle = b_->objects().Allocate(
+          TierKind::kHost, in_.Range(1, 8192), {}, "uint8");
       if (handle.ok()) b_handles_.push_back(*handle);
     } else {
       const size_t i = in_.Range(0, b_handles_.size() - 1);
       const int32_t handle = b_handles_[i];
-      FUZZ_CHECK(b_->Free(handle, kWaitNs).ok(), "pool B's free failed");
+      FUZZ_CHECK(b_->objects().Free(handle, kWaitNs).ok(),
+                 "pool B's free failed");
       b_handles_.erase(b_handles_.begin() + i);
       Rejects(*b_, handle);
     }
@@ -367,7 +374,8 @@ class PoolFuzzer {
     for (const auto& [handle, data] : shadow_) {
       if (Orphan(handle)) continue;  // its reads are refused (Read)
       char* out = Scratch(data.size());
-      const Status read = Wait(a_->Read(handle, out, data.size(), 0, 0, 0));
+      const Status read =
+          Wait(a_->transfers().Read(handle, out, data.size(), 0, 0, 0));
       FUZZ_CHECK(read.ok(), H(handle) + ": " + read.message());
       FUZZ_CHECK(std::memcmp(out, data.data(), data.size()) == 0,
                  H(handle) + " lost its bytes" +
@@ -378,13 +386,13 @@ class PoolFuzzer {
   }
 
   void CheckLayout() {
-    std::vector<int32_t> handles = a_->Handles();
+    std::vector<int32_t> handles = a_->objects().Handles();
     std::sort(handles.begin(), handles.end());
     std::vector<int32_t> expected;
     for (const auto& [handle, data] : shadow_) expected.push_back(handle);
     FUZZ_CHECK(handles == expected, "the pool lists other handles");
 
-    const std::vector<TierStats> stats = a_->Stats();
+    const std::vector<TierStats> stats = a_->objects().Stats();
     const HybridOptions& options = a_->config().allocator;
     // Per (tier, node): objects as (offset, footprint), live bytes, counts.
     struct Arena {
@@ -396,7 +404,7 @@ class PoolFuzzer {
     };
     std::map<std::pair<int, int>, Arena> arenas;
     for (const auto& [handle, data] : shadow_) {
-      StatusOr<ObjectInfo> info = a_->Info(handle);
+      StatusOr<ObjectInfo> info = a_->objects().Info(handle);
       FUZZ_CHECK(info.ok(), info.status().message());
       FUZZ_CHECK(info->bytes == data.size(), H(handle) + " changed size");
       const uint64_t alignment = info->tier == TierKind::kNvme
@@ -450,7 +458,7 @@ class PoolFuzzer {
   void Copy() {
     if (shadow_.empty()) return;
     const int32_t source = Pick();
-    StatusOr<int32_t> copy = a_->AllocateCopy(source, "bfloat16");
+    StatusOr<int32_t> copy = a_->updates().AllocateCopy(source, "bfloat16");
     if (!floats_.count(source)) {  // bytes, or a copy
       FUZZ_CHECK(copy.status().code() == Code::kInvalidArgument,
                  "a copy of " + H(source) + " made");
@@ -461,7 +469,7 @@ class PoolFuzzer {
                  copy.status().message());
       return;
     }
-    StatusOr<ObjectInfo> info = a_->Info(*copy);
+    StatusOr<ObjectInfo> info = a_->objects().Info(*copy);
     FUZZ_CHECK(info.ok() && info->copy_of == source,
                H(*copy) + " is not a copy of " + H(source));
     copy_of_[*copy] = source;

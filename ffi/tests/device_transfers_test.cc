@@ -260,11 +260,11 @@ PoolConfig HostAndEmulatedCxl(uint64_t host = 16 * kMiB) {
 }
 
 int32_t Put(Pool& pool, TierKind tier, const std::vector<char>& bytes) {
-  StatusOr<int32_t> handle =
-      pool.Allocate(tier, bytes.size(), {int64_t(bytes.size())}, "uint8");
+  StatusOr<int32_t> handle = pool.objects().Allocate(
+      tier, bytes.size(), {int64_t(bytes.size())}, "uint8");
   CHECK_OK(handle);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool.Write(*handle, bytes.data(), bytes.size(), 0, 0, 0);
+      pool.transfers().Write(*handle, bytes.data(), bytes.size(), 0, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   return *handle;
@@ -274,7 +274,7 @@ std::vector<char> Get(Pool& pool, int32_t handle, uint64_t bytes,
                       uint64_t offset = 0) {
   std::vector<char> out(bytes);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool.Read(handle, out.data(), bytes, offset, 0, 0);
+      pool.transfers().Read(handle, out.data(), bytes, offset, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   return out;
@@ -319,19 +319,20 @@ TEST(KnownIndexFromHostTierIsDirectAndLocksOnlyTheChunksItTouches) {
   CHECK_EQ(counters.direct, uint64_t{2});
   CHECK_EQ(counters.staged, uint64_t{0});
   // Lazily, chunk by chunk: what the two objects touch, not 64 MiB.
-  PageLockStats locks = pool->page_locks().stats();
+  PageLockStats locks = pool->direct().page_locks().stats();
   CHECK_EQ(rig.locker->lock_calls(), size_t(locks.locked_chunks));
   CHECK_LE(locks.locked_bytes, 5 * kMiB);
   for (const LockedPiece& piece : rig.locker->locks) {
     CHECK_EQ(piece.bytes, kChunk);
   }
   // One copy per locked chunk a range touches (the wide one: at least 3).
-  char* base = pool->MemoryRegions()[0].base;
+  char* base = pool->direct().MemoryRegions()[0].base;
   uint64_t pieces = 0;
   for (int32_t handle : {a, b}) {
-    StatusOr<ObjectInfo> info = pool->Info(handle);
+    StatusOr<ObjectInfo> info = pool->objects().Info(handle);
     CHECK_OK(info);
-    pieces += pool->page_locks()
+    pieces += pool->direct()
+                  .page_locks()
                   .Pieces(base, base + info->offset, info->bytes)
                   .size();
   }
@@ -339,8 +340,9 @@ TEST(KnownIndexFromHostTierIsDirectAndLocksOnlyTheChunksItTouches) {
   CHECK_EQ(rig.state->copies[1], pieces);
   CHECK_EQ(rig.transfers->bounce_stats().allocations, uint64_t{0});
   // The object's direct range was unpinned and counted by the completion.
-  CHECK_OK(pool->Free(a, 0));
-  CHECK_EQ(pool->Stats()[0].bytes_read, uint64_t(small.size() + wide.size()));
+  CHECK_OK(pool->objects().Free(a, 0));
+  CHECK_EQ(pool->objects().Stats()[0].bytes_read,
+           uint64_t(small.size() + wide.size()));
   CHECK_OK(pool->Close(kLongWaitNs));
   CHECK_EQ(rig.locker->unlocks.size(), rig.locker->locks.size());
 }
@@ -398,7 +400,7 @@ TEST(BadDeviceIndexFailsTheDoneAndReleasesItsSlot) {
   CHECK_CONTAINS(done.message(), "has no slice 9");
   rig.transfers->Drain();
   CHECK_EQ(rig.transfers->counters().failed, uint64_t{1});
-  CHECK_OK(pool->Free(handle, 0));  // nothing left pinned
+  CHECK_OK(pool->objects().Free(handle, 0));  // nothing left pinned
 }
 
 TEST(StagedTransfersReuseBounceBuffersOnlyAfterTheirCopiesRan) {
@@ -486,7 +488,7 @@ TEST(ALockFailureFallsBackToStagedAndIsNotRetried) {
   CHECK_EQ(counters.staged, uint64_t{3});
   CHECK_EQ(counters.direct, uint64_t{0});
   CHECK_EQ(rig.locker->lock_calls(), size_t{1});  // remembered, not retried
-  PageLockStats locks = pool->page_locks().stats();
+  PageLockStats locks = pool->direct().page_locks().stats();
   CHECK_EQ(locks.failed_chunks, uint64_t{1});
   CHECK_EQ(locks.refused_ranges, uint64_t{3});
   CHECK_CONTAINS(locks.last_error, "out of lockable memory");
@@ -498,21 +500,22 @@ TEST(FreedPagesInALockedChunkAreNeverReleased) {
     std::shared_ptr<Pool> pool = NewPool(HostAndEmulatedCxl());
     std::vector<char> value = Pattern(1 * kMiB, 8);
     const int32_t handle = Put(*pool, TierKind::kHost, value);
-    StatusOr<ObjectInfo> info = pool->Info(handle);
+    StatusOr<ObjectInfo> info = pool->objects().Info(handle);
     CHECK_OK(info);
-    char* address = pool->MemoryRegions()[0].base + info->offset;
+    char* address = pool->direct().MemoryRegions()[0].base + info->offset;
     if (locked) {  // a direct fetch locks its chunk
       std::vector<char> got(value.size());
       CHECK_OK(rig.transfers->Start(Fetch(pool, handle, got)));
       CHECK_OK(rig.transfers->Done(nullptr, got.data()));
       rig.transfers->Drain();
     }
-    CHECK_OK(pool->Free(handle, kLongWaitNs));  // the arena's top falls
+    CHECK_OK(
+        pool->objects().Free(handle, kLongWaitNs));  // the arena's top falls
     // Released pages read back as zeros; locked ones keep what the DMA
     // engine and the CPU share.
     const bool kept = std::memcmp(address, value.data(), value.size()) == 0;
     CHECK_EQ(kept, locked);
-    CHECK_EQ(pool->page_locks().stats().skipped_release_bytes,
+    CHECK_EQ(pool->direct().page_locks().stats().skipped_release_bytes,
              locked ? uint64_t{1 * kMiB} : uint64_t{0});
   }
 }
@@ -608,9 +611,8 @@ TEST(CompletionsLogWaitsReleaseEverythingAndDropThePoolOffTheLaunchThread) {
   const int32_t staged = Put(*pool, TierKind::kCxl, value);
   std::atomic<bool> closed_on_launch_thread{true};
   const std::thread::id launch = std::this_thread::get_id();
-  pool->OnClose([&] {
-    closed_on_launch_thread = std::this_thread::get_id() == launch;
-  });
+  pool->direct().OnClose(
+      [&] { closed_on_launch_thread = std::this_thread::get_id() == launch; });
   std::vector<char> got_direct(value.size()), got_staged(value.size());
   GateClosed gate(*rig.state);  // no completion before the test lets go
   CHECK_OK(rig.transfers->Start(Fetch(pool, direct, got_direct)));
@@ -652,7 +654,7 @@ TEST(AFailedStagedReadFailsItsDoneAndTheNextIsExact) {
   const int32_t handle = Put(*pool, TierKind::kCxl, value);
   FaultSpec fail;
   fail.kind = FaultSpec::Kind::kFail;
-  CHECK_OK(pool->InjectFault(fail));
+  CHECK_OK(pool->test_hooks().InjectFault(fail));
   std::vector<char> got(value.size(), 0);
   CHECK_OK(rig.transfers->Start(Fetch(pool, handle, got)));
   Status done = rig.transfers->Done(nullptr, got.data());
@@ -660,7 +662,7 @@ TEST(AFailedStagedReadFailsItsDoneAndTheNextIsExact) {
   CHECK(std::all_of(got.begin(), got.end(),
                     [](char c) { return c == char(0xff); }));  // NaNs
   std::vector<char> device = Pattern(96 * kKiB, 41);
-  CHECK_OK(pool->InjectFault(fail));  // and a failed staged write
+  CHECK_OK(pool->test_hooks().InjectFault(fail));  // and a failed staged write
   CHECK_OK(rig.transfers->Start(Store(pool, handle, device)));
   CHECK(!rig.transfers->Done(nullptr, device.data()).ok());
   CHECK_OK(rig.transfers->Start(Fetch(pool, handle, got)));
@@ -691,7 +693,7 @@ TEST(ADirectStartThatFailsPartWayIsWaitedForBeforeAnythingIsReused) {
   CHECK_CODE(rig.transfers->Start(Fetch(pool, handle, buffer)),
              Code::kInternal);
   // Its first piece may still read the object: it stays pinned.
-  CHECK_CODE(pool->Free(handle, 20'000'000), Code::kTimeout);
+  CHECK_CODE(pool->objects().Free(handle, 20'000'000), Code::kTimeout);
   // XLA reuses the buffer: the next fetch waits for that piece first.
   CHECK_OK(rig.transfers->Start(Fetch(pool, next, buffer)));
   CHECK_OK(rig.transfers->Done(nullptr, buffer.data()));
@@ -699,7 +701,7 @@ TEST(ADirectStartThatFailsPartWayIsWaitedForBeforeAnythingIsReused) {
   CHECK_EQ(rig.transfers->counters().stale_waits, uint64_t{1});
   gate.Open();
   rig.transfers->Drain();
-  CHECK_OK(pool->Free(handle, kLongWaitNs));
+  CHECK_OK(pool->objects().Free(handle, kLongWaitNs));
   CHECK_EQ(rig.transfers->counters().failed, uint64_t{1});
 }
 
@@ -727,7 +729,7 @@ TEST(CloseKeepsALateDirectCopysChunksLockedUntilItEnds) {
   rig.transfers->Drain();  // the copy ran, then EndDirect unlocked
   CHECK(got == value);
   CHECK_EQ(rig.locker->unlock_calls(), rig.locker->lock_calls());
-  CHECK_EQ(pool->page_locks().stats().locked_chunks, uint64_t{0});
+  CHECK_EQ(pool->direct().page_locks().stats().locked_chunks, uint64_t{0});
 }
 
 TEST(ALogThatWaitsHoldsBackNoRelease) {

@@ -47,10 +47,10 @@ PoolConfig Tiers(const std::string& nvme_dir, int update_threads = 2) {
 int32_t Put(Pool& pool, TierKind tier, const std::vector<float>& values) {
   const int64_t n = static_cast<int64_t>(values.size());
   StatusOr<int32_t> handle =
-      pool.Allocate(tier, n * 4, {n}, "float32");
+      pool.objects().Allocate(tier, n * 4, {n}, "float32");
   CHECK_OK(handle);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool.Write(*handle, values.data(), n * 4, 0, 0, 0);
+      pool.transfers().Write(*handle, values.data(), n * 4, 0, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   return *handle;
@@ -59,7 +59,7 @@ int32_t Put(Pool& pool, TierKind tier, const std::vector<float>& values) {
 std::vector<float> Get(Pool& pool, int32_t handle, int64_t n) {
   std::vector<float> out(n);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool.Read(handle, out.data(), n * 4, 0, 0, 0);
+      pool.transfers().Read(handle, out.data(), n * 4, 0, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   return out;
@@ -137,15 +137,17 @@ TEST(RegisterRunAndWait) {
   const int32_t hmu = Put(*pool, TierKind::kCxl, mu);
   const int32_t hnu = Put(*pool, TierKind::kCxl, nu);
   const int32_t hg = Put(*pool, TierKind::kHost, g);
-  const std::vector<TierStats> tiers_before = pool->Stats();
-  CHECK_EQ(pool->update_stats().threads, 0);  // none until the first run
-  StatusOr<int32_t> id = pool->RegisterUpdate(Adam(n, hp, hmu, hnu, hg));
+  const std::vector<TierStats> tiers_before = pool->objects().Stats();
+  CHECK_EQ(pool->updates().update_stats().threads,
+           0);  // none until the first run
+  StatusOr<int32_t> id =
+      pool->updates().RegisterUpdate(Adam(n, hp, hmu, hnu, hg));
   CHECK_OK(id);
   for (int step = 1; step <= 2; ++step) {
     const float lr = 1e-3f, bc1 = 1 - std::pow(0.9f, step),
                 bc2 = 1 - std::pow(0.999f, step);
     StatusOr<std::shared_ptr<UpdateRun>> run =
-        pool->StartUpdate(*id, {lr, bc1, bc2});
+        pool->updates().StartUpdate(*id, {lr, bc1, bc2});
     CHECK_OK(run);
     CHECK_OK((*run)->Wait(kLongWaitNs));
     CHECK((*run)->done());
@@ -155,7 +157,7 @@ TEST(RegisterRunAndWait) {
   CHECK(SameBits(Get(*pool, hp, n), p));
   CHECK(SameBits(Get(*pool, hmu, n), mu));
   CHECK(SameBits(Get(*pool, hnu, n), nu));
-  UpdateStats stats = pool->update_stats();
+  UpdateStats stats = pool->updates().update_stats();
   CHECK_EQ(stats.runs, 2u);
   CHECK_EQ(stats.failed, 0u);
   CHECK_EQ(stats.elements, 2u * n);
@@ -164,13 +166,13 @@ TEST(RegisterRunAndWait) {
   CHECK_GT(stats.busy_ns, 0);
   CHECK_EQ(stats.threads, 2);
   // The tiers' link counters count only the Puts and Gets, not the runs.
-  const std::vector<TierStats> tiers_after = pool->Stats();
+  const std::vector<TierStats> tiers_after = pool->objects().Stats();
   CHECK_EQ(tiers_after[1].bytes_read - tiers_before[1].bytes_read,
            uint64_t(2 * n * 4));  // the two Gets of mu, nu
   CHECK_EQ(tiers_after[1].bytes_written, tiers_before[1].bytes_written);
-  CHECK_OK(pool->ReleaseUpdate(*id));
-  CHECK_CODE(pool->StartUpdate(*id, {1, 1, 1}), Code::kNotFound);
-  CHECK_CODE(pool->ReleaseUpdate(*id), Code::kNotFound);
+  CHECK_OK(pool->updates().ReleaseUpdate(*id));
+  CHECK_CODE(pool->updates().StartUpdate(*id, {1, 1, 1}), Code::kNotFound);
+  CHECK_CODE(pool->updates().ReleaseUpdate(*id), Code::kNotFound);
 }
 
 TEST(RunsAreSplitOverTheWorkersAndKeepTheirOrder) {
@@ -178,22 +180,24 @@ TEST(RunsAreSplitOverTheWorkersAndKeepTheirOrder) {
   const int64_t n = 2'000'000;  // about 30 blocks of 64 Ki elements
   std::vector<float> x = Iota(n, 0.5f);
   const int32_t h = Put(*pool, TierKind::kHost, x);
-  StatusOr<int32_t> doubled = pool->RegisterUpdate(Affine(n, h, 0.0f));
-  StatusOr<int32_t> plus_one = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  StatusOr<int32_t> doubled =
+      pool->updates().RegisterUpdate(Affine(n, h, 0.0f));
+  StatusOr<int32_t> plus_one =
+      pool->updates().RegisterUpdate(Affine(n, h, 1.0f));
   CHECK_OK(doubled);
   CHECK_OK(plus_one);
   // Queued back to back (held, so that they are all queued before any
   // runs): each must see all of the one before it.
-  CHECK_OK(pool->HoldUpdates(true));
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
   std::vector<std::shared_ptr<UpdateRun>> runs;
   for (int i = 0; i < 6; ++i) {
     StatusOr<std::shared_ptr<UpdateRun>> run =
-        pool->StartUpdate(i % 2 == 0 ? *doubled : *plus_one, {2.0f});
+        pool->updates().StartUpdate(i % 2 == 0 ? *doubled : *plus_one, {2.0f});
     CHECK_OK(run);
     runs.push_back(*run);
   }
   CHECK(!runs[0]->done());
-  CHECK_OK(pool->HoldUpdates(false));
+  CHECK_OK(pool->test_hooks().HoldUpdates(false));
   for (auto& run : runs) CHECK_OK(run->Wait(kLongWaitNs));
   std::vector<float> want = x;
   for (float& v : want) {
@@ -205,7 +209,7 @@ TEST(RunsAreSplitOverTheWorkersAndKeepTheirOrder) {
   int most = 0;
   for (auto& run : runs) most = std::max(most, run->workers());
   CHECK_GT(most, 1);
-  CHECK_EQ(pool->update_stats().threads, 4);
+  CHECK_EQ(pool->updates().update_stats().threads, 4);
 }
 
 TEST(PinnedObjectsMakeFreeAndCompactWait) {
@@ -213,26 +217,28 @@ TEST(PinnedObjectsMakeFreeAndCompactWait) {
   const int64_t n = 10'000;
   const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
   const int32_t other = Put(*pool, TierKind::kHost, Iota(n));
-  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  StatusOr<int32_t> id = pool->updates().RegisterUpdate(Affine(n, h, 1.0f));
   CHECK_OK(id);
-  CHECK_OK(pool->HoldUpdates(true));
-  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {3.0f});
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
+  StatusOr<std::shared_ptr<UpdateRun>> run =
+      pool->updates().StartUpdate(*id, {3.0f});
   CHECK_OK(run);
-  Status freed = pool->Free(h, 20 * kMs);
+  Status freed = pool->objects().Free(h, 20 * kMs);
   CHECK_CODE(freed, Code::kTimeout);
   CHECK_CONTAINS(freed.message(), "handle " + std::to_string(h));
-  CHECK_CODE(pool->Compact(20 * kMs), Code::kTimeout);
-  CHECK_OK(pool->Free(other, kLongWaitNs));  // not the program's: free now
+  CHECK_CODE(pool->objects().Compact(20 * kMs), Code::kTimeout);
+  CHECK_OK(
+      pool->objects().Free(other, kLongWaitNs));  // not the program's: free now
   // Free waits for the run, which then finishes first.
   std::thread release([&] {
     usleep(20'000);
-    pool->HoldUpdates(false);
+    pool->test_hooks().HoldUpdates(false);
   });
-  CHECK_OK(pool->Free(h, kLongWaitNs));
+  CHECK_OK(pool->objects().Free(h, kLongWaitNs));
   CHECK_OK((*run)->Wait(kLongWaitNs));  // it ran before the free
   release.join();
   // Its object gone, the program's next start fails, naming it.
-  Status started = pool->StartUpdate(*id, {3.0f}).status();
+  Status started = pool->updates().StartUpdate(*id, {3.0f}).status();
   CHECK_CODE(started, Code::kNotFound);
   CHECK_CONTAINS(started.message(), "handle " + std::to_string(h));
   CHECK_CONTAINS(started.message(),
@@ -244,12 +250,13 @@ TEST(RegisterAndStartRefuseWhatTheyCannotRun) {
   std::shared_ptr<Pool> pool = NewPool(Tiers(dir.path()));
   const int64_t n = 1000;
   const int32_t f32 = Put(*pool, TierKind::kHost, Iota(n));
-  StatusOr<int32_t> ints = pool->Allocate(TierKind::kHost, n * 4, {n},
-                                          "int32");
-  StatusOr<int32_t> longer = pool->Allocate(TierKind::kCxl, (n + 1) * 4,
-                                            {n + 1}, "float32");
-  StatusOr<int32_t> lying = pool->Allocate(TierKind::kHost, n * 2, {n},
-                                           "float32");  // shape vs bytes
+  StatusOr<int32_t> ints =
+      pool->objects().Allocate(TierKind::kHost, n * 4, {n}, "int32");
+  StatusOr<int32_t> longer =
+      pool->objects().Allocate(TierKind::kCxl, (n + 1) * 4, {n + 1}, "float32");
+  StatusOr<int32_t> lying =
+      pool->objects().Allocate(TierKind::kHost, n * 2, {n},
+                               "float32");  // shape vs bytes
   CHECK_OK(ints);
   CHECK_OK(longer);
   CHECK_OK(lying);
@@ -272,7 +279,8 @@ TEST(RegisterAndStartRefuseWhatTheyCannotRun) {
     UpdateProgram out = Affine(n, f32, 1.0f);
     out.outputs.push_back({0, c.handle});
     for (int as_output = 0; as_output < 2; ++as_output) {
-      Status status = pool->RegisterUpdate(as_output ? out : in).status();
+      Status status =
+          pool->updates().RegisterUpdate(as_output ? out : in).status();
       CHECK_CODE(status, c.code);
       CHECK_CONTAINS(status.message(), c.want);
       CHECK_CONTAINS(status.message(), as_output ? "output 1" : "input 3");
@@ -280,21 +288,22 @@ TEST(RegisterAndStartRefuseWhatTheyCannotRun) {
   }
   UpdateProgram none = Affine(n, f32, 1.0f);
   none.outputs.clear();
-  CHECK_CONTAINS(pool->RegisterUpdate(none).status().message(),
+  CHECK_CONTAINS(pool->updates().RegisterUpdate(none).status().message(),
                  "no outputs");
   UpdateProgram bad = Affine(n, f32, 1.0f);
   bad.code[0].b = 40;
-  CHECK_CODE(pool->RegisterUpdate(bad), Code::kInvalidArgument);
-  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, f32, 1.0f));
+  CHECK_CODE(pool->updates().RegisterUpdate(bad), Code::kInvalidArgument);
+  StatusOr<int32_t> id = pool->updates().RegisterUpdate(Affine(n, f32, 1.0f));
   CHECK_OK(id);
-  Status wrong = pool->StartUpdate(*id, {1.0f, 2.0f}).status();
+  Status wrong = pool->updates().StartUpdate(*id, {1.0f, 2.0f}).status();
   CHECK_CODE(wrong, Code::kInvalidArgument);
   CHECK_CONTAINS(wrong.message(), "takes 1 scalars per run, but got 2");
-  CHECK_CODE(pool->StartUpdate(*id + 100, {1.0f}), Code::kNotFound);
+  CHECK_CODE(pool->updates().StartUpdate(*id + 100, {1.0f}), Code::kNotFound);
   // Another pool's handle is unknown here.
   std::shared_ptr<Pool> other = NewPool(Tiers(""));
   const int32_t foreign = Put(*other, TierKind::kHost, Iota(n));
-  CHECK_CODE(pool->RegisterUpdate(Affine(n, foreign, 1.0f)), Code::kNotFound);
+  CHECK_CODE(pool->updates().RegisterUpdate(Affine(n, foreign, 1.0f)),
+             Code::kNotFound);
 }
 
 // bf16 objects of n elements from `values`.
@@ -306,9 +315,10 @@ int32_t PutBF16(Pool& pool, TierKind tier, const std::vector<float>& values) {
     std::memcpy(&u, &values[k], 4);
     h[k] = static_cast<uint16_t>(u >> 16);  // exact: values are bf16s
   }
-  StatusOr<int32_t> handle = pool.Allocate(tier, n * 2, {n}, "bfloat16");
+  StatusOr<int32_t> handle =
+      pool.objects().Allocate(tier, n * 2, {n}, "bfloat16");
   CHECK_OK(handle);
-  auto ticket = pool.Write(*handle, h.data(), n * 2, 0, 0, 0);
+  auto ticket = pool.transfers().Write(*handle, h.data(), n * 2, 0, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   return *handle;
@@ -316,7 +326,7 @@ int32_t PutBF16(Pool& pool, TierKind tier, const std::vector<float>& values) {
 
 std::vector<float> GetBF16(Pool& pool, int32_t handle, int64_t n) {
   std::vector<uint16_t> h(n);
-  auto ticket = pool.Read(handle, h.data(), n * 2, 0, 0, 0);
+  auto ticket = pool.transfers().Read(handle, h.data(), n * 2, 0, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   std::vector<float> out(n);
@@ -339,8 +349,8 @@ TEST(NvmeObjectsGoThroughStaging) {
   const int32_t hx = Put(*pool, TierKind::kNvme, x);    // read and written
   const int32_t hy = Put(*pool, TierKind::kHost, y);    // read
   const int32_t hw = PutBF16(*pool, TierKind::kNvme, w);  // bf16, in place
-  StatusOr<int32_t> hz = pool->Allocate(TierKind::kNvme, n * 4, {n},
-                                        "float32");       // written only
+  StatusOr<int32_t> hz = pool->objects().Allocate(TierKind::kNvme, n * 4, {n},
+                                                  "float32");  // written only
   CHECK_OK(hz);
   // x <- x + y; w <- w + 1 (bf16); z <- x * 2 (the old x).
   UpdateProgram p;
@@ -349,9 +359,10 @@ TEST(NvmeObjectsGoThroughStaging) {
               {Kind::kConstant, 0, 0, 1.0f}, {Kind::kConstant, 0, 0, 2.0f}};
   p.code = {{Op::kAdd, 0, 1}, {Op::kAdd, 2, 3}, {Op::kMul, 0, 4}};
   p.outputs = {{5, hx}, {6, hw}, {7, *hz}};
-  StatusOr<int32_t> id = pool->RegisterUpdate(p);
+  StatusOr<int32_t> id = pool->updates().RegisterUpdate(p);
   CHECK_OK(id);
-  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {});
+  StatusOr<std::shared_ptr<UpdateRun>> run =
+      pool->updates().StartUpdate(*id, {});
   CHECK_OK(run);
   CHECK_OK((*run)->Wait(kLongWaitNs));
   std::vector<float> want_x(n), want_w(n), want_z(n);
@@ -364,7 +375,7 @@ TEST(NvmeObjectsGoThroughStaging) {
   CHECK(SameBits(GetBF16(*pool, hw, n), want_w));
   CHECK(SameBits(Get(*pool, *hz, n), want_z));
   CHECK(SameBits(Get(*pool, hy, n), y));  // untouched
-  UpdateStats stats = pool->update_stats();
+  UpdateStats stats = pool->updates().update_stats();
   CHECK_EQ(stats.bytes_read, uint64_t(n) * (4 + 4 + 2));
   CHECK_EQ(stats.bytes_written, uint64_t(n) * (4 + 2 + 4));
 }
@@ -374,50 +385,52 @@ TEST(NvmeErrorsFailTheRunNamingTheObject) {
   std::shared_ptr<Pool> pool = NewPool(Tiers(dir.path()));
   const int64_t n = 100'000;
   const int32_t h = Put(*pool, TierKind::kNvme, Iota(n));
-  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  StatusOr<int32_t> id = pool->updates().RegisterUpdate(Affine(n, h, 1.0f));
   CHECK_OK(id);
   // The file cut short behind the pool's back: its bytes are lost.
   CHECK_EQ(truncate((dir.path() + "/tier.swap").c_str(), 0), 0);
-  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {2.0f});
+  StatusOr<std::shared_ptr<UpdateRun>> run =
+      pool->updates().StartUpdate(*id, {2.0f});
   CHECK_OK(run);
   Status status = (*run)->Wait(kLongWaitNs);
   CHECK_CODE(status, Code::kIo);
   CHECK_CONTAINS(status.message(), "program " + std::to_string(*id));
   CHECK_CONTAINS(status.message(), "reading handle " + std::to_string(h));
-  CHECK_EQ(pool->update_stats().failed, 1u);
+  CHECK_EQ(pool->updates().update_stats().failed, 1u);
 }
 
 TEST(CloseWaitsForARunInFlight) {
   std::shared_ptr<Pool> pool = NewPool(Tiers(""));
   const int64_t n = 50'000;
   const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
-  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  StatusOr<int32_t> id = pool->updates().RegisterUpdate(Affine(n, h, 1.0f));
   CHECK_OK(id);
-  CHECK_OK(pool->HoldUpdates(true));
-  StatusOr<std::shared_ptr<UpdateRun>> run = pool->StartUpdate(*id, {2.0f});
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
+  StatusOr<std::shared_ptr<UpdateRun>> run =
+      pool->updates().StartUpdate(*id, {2.0f});
   CHECK_OK(run);
   std::thread release([&] {
     usleep(30'000);
-    pool->HoldUpdates(false);
+    pool->test_hooks().HoldUpdates(false);
   });
   CHECK_OK(pool->Close(kLongWaitNs));  // waited for the run
   release.join();
   CHECK((*run)->done());
   CHECK_OK((*run)->Wait(0));
-  CHECK_EQ(pool->update_stats().runs, 1u);  // kept past Close
-  CHECK_CODE(pool->StartUpdate(*id, {2.0f}), Code::kClosed);
-  CHECK_CODE(pool->RegisterUpdate(Affine(n, h, 1.0f)), Code::kClosed);
+  CHECK_EQ(pool->updates().update_stats().runs, 1u);  // kept past Close
+  CHECK_CODE(pool->updates().StartUpdate(*id, {2.0f}), Code::kClosed);
+  CHECK_CODE(pool->updates().RegisterUpdate(Affine(n, h, 1.0f)), Code::kClosed);
 }
 
 TEST(CloseFailsRunsPastItsTimeout) {
   std::shared_ptr<Pool> pool = NewPool(Tiers(""));
   const int64_t n = 50'000;
   const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
-  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  StatusOr<int32_t> id = pool->updates().RegisterUpdate(Affine(n, h, 1.0f));
   CHECK_OK(id);
-  CHECK_OK(pool->HoldUpdates(true));
-  auto first = pool->StartUpdate(*id, {2.0f});
-  auto second = pool->StartUpdate(*id, {2.0f});
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
+  auto first = pool->updates().StartUpdate(*id, {2.0f});
+  auto second = pool->updates().StartUpdate(*id, {2.0f});
   CHECK_OK(first);
   CHECK_OK(second);
   CHECK_CODE(pool->Close(20 * kMs), Code::kTimeout);
@@ -432,16 +445,16 @@ TEST(AWaitThatTimesOutSaysSoAndTheRunGoesOn) {
   std::shared_ptr<Pool> pool = NewPool(Tiers(""));
   const int64_t n = 5'000;
   const int32_t h = Put(*pool, TierKind::kHost, Iota(n));
-  StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, h, 1.0f));
+  StatusOr<int32_t> id = pool->updates().RegisterUpdate(Affine(n, h, 1.0f));
   CHECK_OK(id);
-  CHECK_OK(pool->HoldUpdates(true));
-  auto run = pool->StartUpdate(*id, {2.0f});
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
+  auto run = pool->updates().StartUpdate(*id, {2.0f});
   CHECK_OK(run);
   Status waited = (*run)->Wait(5 * kMs);
   CHECK_CODE(waited, Code::kTimeout);
   CHECK_CONTAINS(waited.message(), "of program " + std::to_string(*id));
   CHECK_CONTAINS(waited.message(), "did not finish within 5 ms");
-  CHECK_OK(pool->HoldUpdates(false));
+  CHECK_OK(pool->test_hooks().HoldUpdates(false));
   CHECK_OK((*run)->Wait(kLongWaitNs));
 }
 
@@ -454,7 +467,8 @@ TEST(ConcurrentStartersFreersAndAllocators) {
   std::vector<int32_t> programs;
   for (int t = 0; t < kThreads; ++t) {
     objects.push_back(Put(*pool, TierKind::kHost, std::vector<float>(n, 0)));
-    StatusOr<int32_t> id = pool->RegisterUpdate(Affine(n, objects[t], 1.0f));
+    StatusOr<int32_t> id =
+        pool->updates().RegisterUpdate(Affine(n, objects[t], 1.0f));
     CHECK_OK(id);
     programs.push_back(*id);
   }
@@ -463,17 +477,17 @@ TEST(ConcurrentStartersFreersAndAllocators) {
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (int r = 0; r < kRuns; ++r) {
-        auto run = pool->StartUpdate(programs[t], {1.0f});
+        auto run = pool->updates().StartUpdate(programs[t], {1.0f});
         if (!run.ok() || !(*run)->Wait(kLongWaitNs).ok()) failed = true;
       }
     });
   }
   threads.emplace_back([&] {  // churn next to the runs
     for (int i = 0; i < 50; ++i) {
-      StatusOr<int32_t> h =
-          pool->Allocate(TierKind::kHost, 64 * kKiB, {16 * 1024}, "float32");
-      if (!h.ok() || !pool->Free(*h, kLongWaitNs).ok()) failed = true;
-      (void)pool->update_stats();
+      StatusOr<int32_t> h = pool->objects().Allocate(TierKind::kHost, 64 * kKiB,
+                                                     {16 * 1024}, "float32");
+      if (!h.ok() || !pool->objects().Free(*h, kLongWaitNs).ok()) failed = true;
+      (void)pool->updates().update_stats();
     }
   });
   for (std::thread& thread : threads) thread.join();
@@ -481,7 +495,7 @@ TEST(ConcurrentStartersFreersAndAllocators) {
   for (int t = 0; t < kThreads; ++t) {
     for (float v : Get(*pool, objects[t], n)) CHECK_EQ(v, float(kRuns));
   }
-  CHECK_EQ(pool->update_stats().runs, uint64_t(kThreads * kRuns));
+  CHECK_EQ(pool->updates().update_stats().runs, uint64_t(kThreads * kRuns));
 }
 
 // bfloat16 of a float32, round to nearest even (the copies' conversion).
@@ -498,7 +512,7 @@ bool CopyHolds(Pool& pool, int32_t copy, const std::vector<float>& source) {
   const int64_t n = static_cast<int64_t>(source.size());
   std::vector<uint16_t> got(n);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool.Read(copy, got.data(), n * 2, 0, 0, 0);
+      pool.transfers().Read(copy, got.data(), n * 2, 0, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   for (int64_t k = 0; k < n; ++k) {
@@ -514,16 +528,16 @@ TEST(CopiesFollowTheirSourceWhateverWritesIt) {
   for (TierKind tier : {TierKind::kHost, TierKind::kCxl, TierKind::kNvme}) {
     std::vector<float> w = Iota(n, 0.37f);
     const int32_t source = Put(*pool, tier, w);
-    StatusOr<int32_t> copy = pool->AllocateCopy(source, "bfloat16");
+    StatusOr<int32_t> copy = pool->updates().AllocateCopy(source, "bfloat16");
     CHECK_OK(copy);
-    StatusOr<ObjectInfo> info = pool->Info(*copy);
+    StatusOr<ObjectInfo> info = pool->objects().Info(*copy);
     CHECK_OK(info);
     CHECK_EQ(info->copy_of, source);
     CHECK_EQ(info->tier, tier);
     CHECK(CopyHolds(*pool, *copy, w));  // made on its first read
     // A write of part of the source.
     std::vector<float> part(1000, -3.25f);
-    auto ticket = pool->Write(source, part.data(), 4000, 400, 0, 0);
+    auto ticket = pool->transfers().Write(source, part.data(), 4000, 400, 0, 0);
     CHECK_OK(ticket);
     CHECK_OK((*ticket)->Wait(kLongWaitNs));
     std::fill(w.begin() + 100, w.begin() + 1100, -3.25f);
@@ -536,43 +550,45 @@ TEST(CopiesFollowTheirSourceWhateverWritesIt) {
     both.inputs = {{Kind::kObject, source}, {Kind::kObject, g}};
     both.code = {{Op::kSub, 0, 1}};
     both.outputs = {{2, source}, {2, *copy}};
-    StatusOr<int32_t> id = pool->RegisterUpdate(both);
+    StatusOr<int32_t> id = pool->updates().RegisterUpdate(both);
     CHECK_OK(id);
-    auto run = pool->StartUpdate(*id, {});
+    auto run = pool->updates().StartUpdate(*id, {});
     CHECK_OK(run);
     CHECK_OK((*run)->Wait(kLongWaitNs));
     for (float& x : w) x -= 0.5f;
-    const uint64_t runs = pool->update_stats().runs;
+    const uint64_t runs = pool->updates().update_stats().runs;
     CHECK(CopyHolds(*pool, *copy, w));
-    CHECK_EQ(pool->update_stats().runs, runs);
+    CHECK_EQ(pool->updates().update_stats().runs, runs);
     // One writing only the source leaves it stale, refreshed when read.
     UpdateProgram only = both;
     only.outputs = {{2, source}};
-    StatusOr<int32_t> only_id = pool->RegisterUpdate(only);
+    StatusOr<int32_t> only_id = pool->updates().RegisterUpdate(only);
     CHECK_OK(only_id);
-    run = pool->StartUpdate(*only_id, {});
+    run = pool->updates().StartUpdate(*only_id, {});
     CHECK_OK(run);
     CHECK_OK((*run)->Wait(kLongWaitNs));
     for (float& x : w) x -= 0.5f;
     CHECK(CopyHolds(*pool, *copy, w));
-    CHECK_EQ(pool->update_stats().runs, runs + 2);
+    CHECK_EQ(pool->updates().update_stats().runs, runs + 2);
     // Nothing else writes a copy.
     std::vector<uint16_t> zeros(n);
-    CHECK_CODE(pool->Write(*copy, zeros.data(), n * 2, 0, 0, 0),
+    CHECK_CODE(pool->transfers().Write(*copy, zeros.data(), n * 2, 0, 0, 0),
                Code::kInvalidArgument);
     UpdateProgram other = both;
     other.outputs = {{2, source}, {0, *copy}};
-    CHECK_CODE(pool->RegisterUpdate(other), Code::kInvalidArgument);
-    CHECK_CODE(pool->AllocateCopy(*copy, "bfloat16"), Code::kInvalidArgument);
-    CHECK_CODE(pool->AllocateCopy(source, "float16"), Code::kInvalidArgument);
-    CHECK_OK(pool->ReleaseUpdate(*id));
-    CHECK_OK(pool->ReleaseUpdate(*only_id));
+    CHECK_CODE(pool->updates().RegisterUpdate(other), Code::kInvalidArgument);
+    CHECK_CODE(pool->updates().AllocateCopy(*copy, "bfloat16"),
+               Code::kInvalidArgument);
+    CHECK_CODE(pool->updates().AllocateCopy(source, "float16"),
+               Code::kInvalidArgument);
+    CHECK_OK(pool->updates().ReleaseUpdate(*id));
+    CHECK_OK(pool->updates().ReleaseUpdate(*only_id));
     // A copy of a freed source can no longer be read.
-    CHECK_OK(pool->Free(source, kLongWaitNs));
-    CHECK_CODE(pool->Read(*copy, zeros.data(), n * 2, 0, 0, 0),
+    CHECK_OK(pool->objects().Free(source, kLongWaitNs));
+    CHECK_CODE(pool->transfers().Read(*copy, zeros.data(), n * 2, 0, 0, 0),
                Code::kNotFound);
-    CHECK_OK(pool->Free(*copy, kLongWaitNs));
-    CHECK_OK(pool->Free(g, kLongWaitNs));
+    CHECK_OK(pool->objects().Free(*copy, kLongWaitNs));
+    CHECK_OK(pool->objects().Free(g, kLongWaitNs));
   }
 }
 
@@ -583,12 +599,12 @@ TEST(ReadersOfAStaleCopyShareOneRefresh) {
   std::shared_ptr<Pool> pool = NewPool(Tiers(""));
   const int64_t n = 50'000;
   const int32_t source = Put(*pool, TierKind::kHost, std::vector<float>(n, 0));
-  StatusOr<int32_t> copy = pool->AllocateCopy(source, "bfloat16");
+  StatusOr<int32_t> copy = pool->updates().AllocateCopy(source, "bfloat16");
   CHECK_OK(copy);
   std::atomic<bool> failed{false};
   for (int round = 1; round <= 20; ++round) {
     std::vector<float> v(n, static_cast<float>(round));
-    auto ticket = pool->Write(source, v.data(), n * 4, 0, 0, 0);
+    auto ticket = pool->transfers().Write(source, v.data(), n * 4, 0, 0, 0);
     CHECK_OK(ticket);
     CHECK_OK((*ticket)->Wait(kLongWaitNs));
     std::vector<std::thread> readers;
@@ -600,7 +616,7 @@ TEST(ReadersOfAStaleCopyShareOneRefresh) {
     for (std::thread& t : readers) t.join();
   }
   CHECK(!failed);
-  CHECK_GE(pool->update_stats().runs, 20u);  // one a round at least
+  CHECK_GE(pool->updates().update_stats().runs, 20u);  // one a round at least
 }
 
 TEST(CpuListsParse) {

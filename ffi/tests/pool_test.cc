@@ -40,7 +40,8 @@ PoolConfig ThreeTiers(const std::string& nvme_dir, uint64_t host = 8 * kMiB,
 }
 
 int32_t Alloc(Pool& pool, TierKind tier, uint64_t bytes) {
-  StatusOr<int32_t> handle = pool.Allocate(tier, bytes, {int64_t(bytes)}, "u8");
+  StatusOr<int32_t> handle =
+      pool.objects().Allocate(tier, bytes, {int64_t(bytes)}, "u8");
   CHECK_OK(handle);
   CHECK_GT(*handle, 0);
   return *handle;
@@ -49,7 +50,7 @@ int32_t Alloc(Pool& pool, TierKind tier, uint64_t bytes) {
 Status WriteNow(Pool& pool, int32_t handle, const std::vector<char>& data,
                 uint64_t offset = 0) {
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool.Write(handle, data.data(), data.size(), offset, 0, 0);
+      pool.transfers().Write(handle, data.data(), data.size(), offset, 0, 0);
   if (!ticket.ok()) return ticket.status();
   return (*ticket)->Wait(kLongWaitNs);
 }
@@ -58,7 +59,7 @@ StatusOr<std::vector<char>> ReadNow(Pool& pool, int32_t handle, uint64_t bytes,
                                     uint64_t offset = 0) {
   std::vector<char> out(bytes);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool.Read(handle, out.data(), bytes, offset, 0, 0);
+      pool.transfers().Read(handle, out.data(), bytes, offset, 0, 0);
   if (!ticket.ok()) return ticket.status();
   Status status = (*ticket)->Wait(kLongWaitNs);
   if (!status.ok()) return status;
@@ -72,7 +73,7 @@ TEST(CreateWithThreeTiers) {
   CHECK(pool->id() > 0);
   CHECK(Pool::Find(pool->id()) == pool);
   CHECK(Exists(dir.path() + "/tier.swap"));
-  std::vector<TierStats> stats = pool->Stats();
+  std::vector<TierStats> stats = pool->objects().Stats();
   CHECK_EQ(stats.size(), 3u);
   for (int t = 0; t < kNumTiers; ++t) {
     CHECK(stats[t].enabled);
@@ -111,10 +112,11 @@ TEST(CreateRejectsBadConfigs) {
   PoolConfig host_only;
   host_only.tiers[0].capacity = 1 * kMiB;
   std::shared_ptr<Pool> ok = NewPool(host_only);
-  StatusOr<int32_t> off = ok->Allocate(TierKind::kCxl, 100, {100}, "u8");
+  StatusOr<int32_t> off =
+      ok->objects().Allocate(TierKind::kCxl, 100, {100}, "u8");
   CHECK_CODE(off, Code::kInvalidArgument);
   CHECK_CONTAINS(off.status().message(), "cxl tier is off");
-  CHECK_CODE(ok->Allocate(TierKind::kHost, 0, {0}, "f32"),
+  CHECK_CODE(ok->objects().Allocate(TierKind::kHost, 0, {0}, "f32"),
              Code::kInvalidArgument);
 }
 
@@ -127,7 +129,7 @@ TEST(WriteReadRoundTripsInEveryTier) {
     for (uint64_t bytes : {uint64_t{100}, uint64_t{5000},
                            uint64_t{1 * kMiB + 333}}) {
       const int32_t handle = Alloc(*pool, tier, bytes);
-      StatusOr<ObjectInfo> info = pool->Info(handle);
+      StatusOr<ObjectInfo> info = pool->objects().Info(handle);
       CHECK_OK(info);
       CHECK(info->tier == tier);
       CHECK_EQ(info->bytes, bytes);
@@ -154,12 +156,12 @@ TEST(WriteReadRoundTripsInEveryTier) {
       CHECK(*back == expected);
     }
   }
-  const std::vector<TierStats> stats = pool->Stats();
+  const std::vector<TierStats> stats = pool->objects().Stats();
   for (const TierStats& tier : stats) {
     CHECK_GT(tier.bytes_written, 0u);
     CHECK_GT(tier.bytes_read, 0u);
   }
-  const std::vector<TransferRecord> records = pool->DrainRecords();
+  const std::vector<TransferRecord> records = pool->transfers().DrainRecords();
   CHECK_EQ(records.size(), 3u * 3u * 5u);
   for (const TransferRecord& record : records) {
     CHECK(record.ok);
@@ -174,16 +176,16 @@ TEST(OutOfRangeAccessIsRejected) {
   std::shared_ptr<Pool> pool = NewPool(config);
   const int32_t handle = Alloc(*pool, TierKind::kHost, 1000);
   std::vector<char> buffer(2000);
-  CHECK_CODE(pool->Write(handle, buffer.data(), 1001, 0, 0, 0),
+  CHECK_CODE(pool->transfers().Write(handle, buffer.data(), 1001, 0, 0, 0),
              Code::kInvalidArgument);
-  CHECK_CODE(pool->Read(handle, buffer.data(), 10, 995, 0, 0),
+  CHECK_CODE(pool->transfers().Read(handle, buffer.data(), 10, 995, 0, 0),
              Code::kInvalidArgument);
-  CHECK_CODE(pool->Read(handle, buffer.data(), 1, UINT64_MAX, 0, 0),
+  CHECK_CODE(pool->transfers().Read(handle, buffer.data(), 1, UINT64_MAX, 0, 0),
              Code::kInvalidArgument);
-  CHECK_CODE(pool->Read(handle, nullptr, 10, 0, 0, 0),
+  CHECK_CODE(pool->transfers().Read(handle, nullptr, 10, 0, 0, 0),
              Code::kInvalidArgument);
-  StatusOr<std::shared_ptr<Ticket>> empty = pool->Read(handle, nullptr, 0, 0,
-                                                       0, 0);
+  StatusOr<std::shared_ptr<Ticket>> empty =
+      pool->transfers().Read(handle, nullptr, 0, 0, 0, 0);
   CHECK_OK(empty);
   CHECK_OK((*empty)->Wait(kLongWaitNs));
 }
@@ -194,20 +196,21 @@ TEST(UnknownAndFreedHandlesAreNotFound) {
   std::shared_ptr<Pool> pool = NewPool(config);
   std::vector<char> buffer(16);
   for (int32_t bad : {0, -1, 12345, INT32_MAX}) {
-    CHECK_CODE(pool->Info(bad), Code::kNotFound);
-    CHECK_CODE(pool->Free(bad, kLongWaitNs), Code::kNotFound);
-    CHECK_CODE(pool->Read(bad, buffer.data(), 16, 0, 0, 0), Code::kNotFound);
+    CHECK_CODE(pool->objects().Info(bad), Code::kNotFound);
+    CHECK_CODE(pool->objects().Free(bad, kLongWaitNs), Code::kNotFound);
+    CHECK_CODE(pool->transfers().Read(bad, buffer.data(), 16, 0, 0, 0),
+               Code::kNotFound);
   }
   const int32_t handle = Alloc(*pool, TierKind::kHost, 16);
-  CHECK_OK(pool->Free(handle, kLongWaitNs));
-  StatusOr<ObjectInfo> info = pool->Info(handle);
+  CHECK_OK(pool->objects().Free(handle, kLongWaitNs));
+  StatusOr<ObjectInfo> info = pool->objects().Info(handle);
   CHECK_CODE(info, Code::kNotFound);
   CHECK_CONTAINS(info.status().message(), std::to_string(handle));
-  CHECK_CODE(pool->Free(handle, kLongWaitNs), Code::kNotFound);
-  CHECK_CODE(pool->Write(handle, buffer.data(), 16, 0, 0, 0),
+  CHECK_CODE(pool->objects().Free(handle, kLongWaitNs), Code::kNotFound);
+  CHECK_CODE(pool->transfers().Write(handle, buffer.data(), 16, 0, 0, 0),
              Code::kNotFound);
-  CHECK_CODE(pool->PageNodes(handle), Code::kNotFound);
-  CHECK(pool->Handles().empty());
+  CHECK_CODE(pool->objects().PageNodes(handle), Code::kNotFound);
+  CHECK(pool->objects().Handles().empty());
 }
 
 TEST(StaleHandleAfterSlotReuseIsRejected) {
@@ -216,42 +219,42 @@ TEST(StaleHandleAfterSlotReuseIsRejected) {
   std::shared_ptr<Pool> pool = NewPool(config);
   constexpr int32_t kIndexMask = (1 << 22) - 1;
   const int32_t first = Alloc(*pool, TierKind::kHost, 64);
-  CHECK_OK(pool->Free(first, kLongWaitNs));
+  CHECK_OK(pool->objects().Free(first, kLongWaitNs));
   // Freed indices are reused oldest first, across every pool of the
   // process: allocate and free until `first`'s index comes round again.
   int32_t second = Alloc(*pool, TierKind::kHost, 64);
   for (int i = 0; i < 100000 && (second & kIndexMask) != (first & kIndexMask);
        ++i) {
     CHECK(second != first);
-    CHECK_OK(pool->Free(second, kLongWaitNs));
+    CHECK_OK(pool->objects().Free(second, kLongWaitNs));
     second = Alloc(*pool, TierKind::kHost, 64);
   }
   CHECK(second != first);
   // Same slot, next generation.
   CHECK_EQ(second & kIndexMask, first & kIndexMask);
-  CHECK_CODE(pool->Info(first), Code::kNotFound);
-  CHECK_CODE(pool->Free(first, kLongWaitNs), Code::kNotFound);
+  CHECK_CODE(pool->objects().Info(first), Code::kNotFound);
+  CHECK_CODE(pool->objects().Free(first, kLongWaitNs), Code::kNotFound);
   const std::vector<char> data = Pattern(64, 1);
   CHECK_CODE(WriteNow(*pool, first, data), Code::kNotFound);
   CHECK_OK(WriteNow(*pool, second, data));
-  CHECK_OK(pool->Info(second));
-  CHECK(pool->Handles() == std::vector<int32_t>{second});
+  CHECK_OK(pool->objects().Info(second));
+  CHECK(pool->objects().Handles() == std::vector<int32_t>{second});
   // Past its last generation (9 bits) a slot is retired, never wrapped
   // round: no handle is ever given out twice, none is <= 0, and every stale
   // one stays rejected.
   std::vector<int32_t> seen = {first, second};
   int32_t handle = second;
   for (int i = 0; i < 1100; ++i) {
-    CHECK_OK(pool->Free(handle, kLongWaitNs));
+    CHECK_OK(pool->objects().Free(handle, kLongWaitNs));
     const int32_t next = Alloc(*pool, TierKind::kHost, 64);
     CHECK_GT(next, 0);
     CHECK(std::find(seen.begin(), seen.end(), next) == seen.end());
-    CHECK_CODE(pool->Info(handle), Code::kNotFound);
-    CHECK_CODE(pool->Info(first), Code::kNotFound);
+    CHECK_CODE(pool->objects().Info(handle), Code::kNotFound);
+    CHECK_CODE(pool->objects().Info(first), Code::kNotFound);
     seen.push_back(next);
     handle = next;
   }
-  CHECK_OK(pool->Info(handle));
+  CHECK_OK(pool->objects().Info(handle));
 }
 
 // A handle names one object of one pool: every other pool rejects it, open
@@ -272,22 +275,23 @@ TEST(ForeignHandlesAreRejected) {
   }
   std::vector<char> buffer(64, 7);
   auto rejected_by_b = [&](int32_t foreign) {
-    CHECK_CODE(b->Info(foreign), Code::kNotFound);
-    CHECK_CODE(b->Read(foreign, buffer.data(), 16, 0, 0, 0), Code::kNotFound);
-    CHECK_CODE(b->Write(foreign, buffer.data(), 16, 0, 0, 0),
+    CHECK_CODE(b->objects().Info(foreign), Code::kNotFound);
+    CHECK_CODE(b->transfers().Read(foreign, buffer.data(), 16, 0, 0, 0),
                Code::kNotFound);
-    CHECK_CODE(b->PageNodes(foreign), Code::kNotFound);
-    CHECK_CODE(b->Free(foreign, kLongWaitNs), Code::kNotFound);
+    CHECK_CODE(b->transfers().Write(foreign, buffer.data(), 16, 0, 0, 0),
+               Code::kNotFound);
+    CHECK_CODE(b->objects().PageNodes(foreign), Code::kNotFound);
+    CHECK_CODE(b->objects().Free(foreign, kLongWaitNs), Code::kNotFound);
   };
   for (int32_t h : handles_a) {
     rejected_by_b(h);
-    CHECK_OK(a->Info(h));
+    CHECK_OK(a->objects().Info(h));
   }
-  for (int32_t h : handles_b) CHECK_CODE(a->Info(h), Code::kNotFound);
-  const Status message = b->Info(handles_a[0]).status();
+  for (int32_t h : handles_b) CHECK_CODE(a->objects().Info(h), Code::kNotFound);
+  const Status message = b->objects().Info(handles_a[0]).status();
   CHECK_CONTAINS(message.message(), "another pool's");
   // Freed in A, or A closed: still nothing B answers to.
-  CHECK_OK(a->Free(handles_a[0], kLongWaitNs));
+  CHECK_OK(a->objects().Free(handles_a[0], kLongWaitNs));
   rejected_by_b(handles_a[0]);
   CHECK_OK(a->Close(kLongWaitNs));
   for (int32_t h : handles_a) rejected_by_b(h);
@@ -306,7 +310,7 @@ TEST(FullTierIsExhaustedWithTierName) {
   std::shared_ptr<Pool> pool = NewPool(config);
   Alloc(*pool, TierKind::kCxl, 768 * kKiB);
   StatusOr<int32_t> full =
-      pool->Allocate(TierKind::kCxl, 512 * kKiB, {128, 1024}, "f32");
+      pool->objects().Allocate(TierKind::kCxl, 512 * kKiB, {128, 1024}, "f32");
   CHECK_CODE(full, Code::kExhausted);
   const std::string& message = full.status().message();
   CHECK_CONTAINS(message, "cxl tier is full");
@@ -315,7 +319,7 @@ TEST(FullTierIsExhaustedWithTierName) {
   CHECK_CONTAINS(message, "f32");
   CHECK_CONTAINS(message, "spill=True");
   // Without spilling, the tiers below are not used.
-  CHECK_EQ(pool->Stats()[2].arenas[0].allocator.extent_objects, 0u);
+  CHECK_EQ(pool->objects().Stats()[2].arenas[0].allocator.extent_objects, 0u);
 }
 
 TEST(SpillGoesHostThenCxlThenNvme) {
@@ -328,20 +332,21 @@ TEST(SpillGoesHostThenCxlThenNvme) {
                                     TierKind::kNvme, TierKind::kNvme};
   for (size_t i = 0; i < expected.size(); ++i) {
     handles.push_back(Alloc(*pool, TierKind::kHost, 768 * kKiB));
-    StatusOr<ObjectInfo> info = pool->Info(handles.back());
+    StatusOr<ObjectInfo> info = pool->objects().Info(handles.back());
     CHECK_OK(info);
     CHECK(info->tier == expected[i]);
     CHECK_OK(WriteNow(*pool, handles.back(), Pattern(768 * kKiB, i)));
   }
   // Everything full: the message names every tier it tried.
-  StatusOr<int32_t> none = pool->Allocate(TierKind::kHost, 768 * kKiB, {}, "");
+  StatusOr<int32_t> none =
+      pool->objects().Allocate(TierKind::kHost, 768 * kKiB, {}, "");
   CHECK_CODE(none, Code::kExhausted);
   CHECK_CONTAINS(none.status().message(), "host:");
   CHECK_CONTAINS(none.status().message(), "cxl:");
   CHECK_CONTAINS(none.status().message(), "nvme:");
   // A cxl request never spills up into host.
-  CHECK_OK(pool->Free(handles[0], kLongWaitNs));
-  CHECK_CODE(pool->Allocate(TierKind::kCxl, 768 * kKiB, {}, ""),
+  CHECK_OK(pool->objects().Free(handles[0], kLongWaitNs));
+  CHECK_CODE(pool->objects().Allocate(TierKind::kCxl, 768 * kKiB, {}, ""),
              Code::kExhausted);
   for (size_t i = 1; i < handles.size(); ++i) {
     StatusOr<std::vector<char>> back = ReadNow(*pool, handles[i], 768 * kKiB);
@@ -362,17 +367,18 @@ TEST(FragmentedTierCompactsBeforeRefusing) {
     handles.push_back(Alloc(*pool, TierKind::kNvme, 256 * kKiB));
     CHECK_OK(WriteNow(*pool, handles.back(), Pattern(256 * kKiB, i)));
   }
-  for (int i = 0; i < 32; i += 2) CHECK_OK(pool->Free(handles[i], kLongWaitNs));
+  for (int i = 0; i < 32; i += 2)
+    CHECK_OK(pool->objects().Free(handles[i], kLongWaitNs));
   StatusOr<int32_t> big =
-      pool->Allocate(TierKind::kNvme, 4 * kMiB, {}, "", kLongWaitNs);
+      pool->objects().Allocate(TierKind::kNvme, 4 * kMiB, {}, "", kLongWaitNs);
   CHECK_OK(big);
   for (int i = 1; i < 32; i += 2) {
     StatusOr<std::vector<char>> back = ReadNow(*pool, handles[i], 256 * kKiB);
     CHECK_OK(back);
     CHECK(*back == Pattern(256 * kKiB, i));
   }
-  StatusOr<int32_t> none =
-      pool->Allocate(TierKind::kNvme, 512 * kKiB, {}, "", kLongWaitNs);
+  StatusOr<int32_t> none = pool->objects().Allocate(TierKind::kNvme, 512 * kKiB,
+                                                    {}, "", kLongWaitNs);
   CHECK_CODE(none, Code::kExhausted);
   CHECK(none.status().message().find("compacting cannot help") !=
         std::string::npos);
@@ -398,25 +404,25 @@ TEST(CompactKeepsDataAndHandles) {
   std::map<int32_t, uint64_t> offsets_before;
   for (size_t i = 0; i < order.size(); ++i) {
     if (i % 2 == 0) {
-      CHECK_OK(pool->Free(order[i], kLongWaitNs));
+      CHECK_OK(pool->objects().Free(order[i], kLongWaitNs));
       live.erase(order[i]);
     }
   }
   for (const auto& [handle, data] : live) {
-    offsets_before[handle] = pool->Info(handle)->offset;
+    offsets_before[handle] = pool->objects().Info(handle)->offset;
   }
   uint64_t holes = 0;
-  for (const TierStats& tier : pool->Stats()) {
+  for (const TierStats& tier : pool->objects().Stats()) {
     holes += tier.arenas[0].allocator.hole_bytes;
   }
   CHECK_GT(holes, 0u);
-  CHECK_OK(pool->Compact(kLongWaitNs));
+  CHECK_OK(pool->objects().Compact(kLongWaitNs));
   int moved = 0;
-  for (const TierStats& tier : pool->Stats()) {
+  for (const TierStats& tier : pool->objects().Stats()) {
     CHECK_EQ(tier.arenas[0].allocator.hole_bytes, 0u);
   }
   for (const auto& [handle, data] : live) {
-    StatusOr<ObjectInfo> info = pool->Info(handle);
+    StatusOr<ObjectInfo> info = pool->objects().Info(handle);
     CHECK_OK(info);
     CHECK_LE(info->offset, offsets_before[handle]);
     if (info->offset < offsets_before[handle]) ++moved;
@@ -432,9 +438,9 @@ TEST(CompactKeepsDataAndHandles) {
     StatusOr<std::vector<char>> back = ReadNow(*pool, handle, again.size());
     CHECK_OK(back);
     CHECK(*back == again);
-    CHECK_OK(pool->Free(handle, kLongWaitNs));
+    CHECK_OK(pool->objects().Free(handle, kLongWaitNs));
   }
-  for (const TierStats& tier : pool->Stats()) {
+  for (const TierStats& tier : pool->objects().Stats()) {
     CHECK_EQ(tier.arenas[0].allocator.reserved, 0u);
   }
 }
@@ -453,28 +459,29 @@ TEST(FreeWaitsForTransfersInFlight) {
   FaultSpec stall;
   stall.kind = FaultSpec::Kind::kStall;
   stall.direction = static_cast<int>(Direction::kToPool);
-  CHECK_OK(pool->InjectFault(stall));
+  CHECK_OK(pool->test_hooks().InjectFault(stall));
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool->Write(handle, data.data(), data.size(), 0, 0, 0);
+      pool->transfers().Write(handle, data.data(), data.size(), 0, 0, 0);
   CHECK_OK(ticket);
   // Too short a wait: the object stays.
-  const Status early = pool->Free(handle, 1 * kMs);
+  const Status early = pool->objects().Free(handle, 1 * kMs);
   CHECK_CODE(early, Code::kTimeout);
   CHECK_CONTAINS(early.message(), "cannot free handle");
-  CHECK_OK(pool->Info(handle));
-  CHECK_OK(pool->InjectFault(FaultSpec{}));  // releases the stalled write
+  CHECK_OK(pool->objects().Info(handle));
+  CHECK_OK(pool->test_hooks().InjectFault(
+      FaultSpec{}));  // releases the stalled write
   // A long one returns only after the transfer's last chunk (the ticket
   // itself may wake its waiters a moment later).
-  CHECK_OK(pool->Free(handle, kLongWaitNs));
+  CHECK_OK(pool->objects().Free(handle, kLongWaitNs));
   const int64_t freed_at = NowNs();
-  CHECK_CODE(pool->Info(handle), Code::kNotFound);
+  CHECK_CODE(pool->objects().Info(handle), Code::kNotFound);
   CHECK_OK((*ticket)->Wait(kLongWaitNs));
   const TransferRecord record = (*ticket)->record();
   CHECK_LE(record.finished_ns, freed_at);
   // The link model holds for pool transfers too.
   CHECK_GE(record.finished_ns - record.queued_ns,
            static_cast<int64_t>(4 * kMiB / 100e6 * 1e9));
-  CHECK_EQ(pool->Stats()[1].link_bytes_per_second, 100e6);
+  CHECK_EQ(pool->objects().Stats()[1].link_bytes_per_second, 100e6);
 }
 
 TEST(FreeWhileOtherThreadsAllocate) {
@@ -489,25 +496,26 @@ TEST(FreeWhileOtherThreadsAllocate) {
     const int32_t handle = Alloc(*pool, TierKind::kCxl, 2 * kMiB);
     const std::vector<char> data = Pattern(2 * kMiB, round);
     StatusOr<std::shared_ptr<Ticket>> ticket =
-        pool->Write(handle, data.data(), data.size(), 0, 0, 0);
+        pool->transfers().Write(handle, data.data(), data.size(), 0, 0, 0);
     CHECK_OK(ticket);
     std::atomic<bool> freed{false};
     std::vector<int32_t> extra;
     std::thread allocator([&] {
       while (!freed.load()) {
-        StatusOr<int32_t> h = pool->Allocate(TierKind::kCxl, 16, {}, "");
+        StatusOr<int32_t> h =
+            pool->objects().Allocate(TierKind::kCxl, 16, {}, "");
         if (h.ok()) extra.push_back(*h);
         if (extra.size() > 3000) break;
       }
     });
-    const Status status = pool->Free(handle, kLongWaitNs);
+    const Status status = pool->objects().Free(handle, kLongWaitNs);
     const int64_t freed_at = NowNs();
     freed = true;
     allocator.join();
     CHECK_OK(status);
     CHECK_OK((*ticket)->Wait(kLongWaitNs));
     CHECK_LE((*ticket)->record().finished_ns, freed_at);
-    for (int32_t h : extra) CHECK_OK(pool->Free(h, kLongWaitNs));
+    for (int32_t h : extra) CHECK_OK(pool->objects().Free(h, kLongWaitNs));
   }
 }
 
@@ -524,16 +532,19 @@ TEST(CloseTwiceAndRequestsAfterCloseAreClosed) {
   CHECK_CODE(again, Code::kClosed);
   CHECK_CONTAINS(again.message(), "already closed");
   std::vector<char> buffer(16);
-  CHECK_CODE(pool->Allocate(TierKind::kHost, 16, {}, ""), Code::kClosed);
-  CHECK_CODE(pool->Write(handle, buffer.data(), 16, 0, 0, 0), Code::kClosed);
-  CHECK_CODE(pool->Read(handle, buffer.data(), 16, 0, 0, 0), Code::kClosed);
-  CHECK_CODE(pool->Free(handle, kLongWaitNs), Code::kClosed);
-  CHECK_CODE(pool->Info(handle), Code::kClosed);
-  CHECK_CODE(pool->PageNodes(handle), Code::kClosed);
-  CHECK_CODE(pool->Compact(kLongWaitNs), Code::kClosed);
-  CHECK(pool->Handles().empty());
-  CHECK(pool->DrainRecords().empty());
-  pool->Stats();  // still answers, with no arenas
+  CHECK_CODE(pool->objects().Allocate(TierKind::kHost, 16, {}, ""),
+             Code::kClosed);
+  CHECK_CODE(pool->transfers().Write(handle, buffer.data(), 16, 0, 0, 0),
+             Code::kClosed);
+  CHECK_CODE(pool->transfers().Read(handle, buffer.data(), 16, 0, 0, 0),
+             Code::kClosed);
+  CHECK_CODE(pool->objects().Free(handle, kLongWaitNs), Code::kClosed);
+  CHECK_CODE(pool->objects().Info(handle), Code::kClosed);
+  CHECK_CODE(pool->objects().PageNodes(handle), Code::kClosed);
+  CHECK_CODE(pool->objects().Compact(kLongWaitNs), Code::kClosed);
+  CHECK(pool->objects().Handles().empty());
+  CHECK(pool->transfers().DrainRecords().empty());
+  pool->objects().Stats();  // still answers, with no arenas
 }
 
 // A transfer abandoned mid-copy (its ticket and buffer dropped) while the
@@ -549,12 +560,12 @@ TEST(CloseReleasesTheBuffersOfAbandonedTransfers) {
   FaultSpec stall;
   stall.kind = FaultSpec::Kind::kStall;
   stall.direction = static_cast<int>(Direction::kFromPool);
-  CHECK_OK(pool->InjectFault(stall));
+  CHECK_OK(pool->test_hooks().InjectFault(stall));
   auto buffer = std::make_shared<std::vector<char>>(2 * kMiB);
   std::weak_ptr<std::vector<char>> watch = buffer;
   {
-    StatusOr<std::shared_ptr<Ticket>> ticket =
-        pool->Read(handle, buffer->data(), buffer->size(), 0, 0, 0, buffer);
+    StatusOr<std::shared_ptr<Ticket>> ticket = pool->transfers().Read(
+        handle, buffer->data(), buffer->size(), 0, 0, 0, buffer);
     CHECK_OK(ticket);
   }
   buffer.reset();
@@ -572,7 +583,7 @@ TEST(CloseWaitsForTransfersAndKeepsFilesWhenAsked) {
   const int32_t handle = Alloc(*pool, TierKind::kNvme, 2 * kMiB);
   const std::vector<char> data = Pattern(2 * kMiB, 3);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool->Write(handle, data.data(), data.size(), 0, 0, 0);
+      pool->transfers().Write(handle, data.data(), data.size(), 0, 0, 0);
   CHECK_OK(ticket);
   CHECK_OK(pool->Close(kLongWaitNs));
   CHECK((*ticket)->done());
@@ -585,19 +596,19 @@ TEST(PageNodesOfATouchedObjectAreNodeZero) {
   std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
   const int32_t handle = Alloc(*pool, TierKind::kHost, 256 * kKiB);
   CHECK_OK(WriteNow(*pool, handle, Pattern(256 * kKiB, 1)));
-  StatusOr<std::vector<int>> nodes = pool->PageNodes(handle);
+  StatusOr<std::vector<int>> nodes = pool->objects().PageNodes(handle);
   CHECK_OK(nodes);
   CHECK_EQ(nodes->size(), 256 * kKiB / 4096);
   for (int node : *nodes) CHECK_EQ(node, 0);
   // A slab object in the same tier.
   const int32_t small = Alloc(*pool, TierKind::kHost, 100);
   CHECK_OK(WriteNow(*pool, small, Pattern(100, 2)));
-  nodes = pool->PageNodes(small);
+  nodes = pool->objects().PageNodes(small);
   CHECK_OK(nodes);
   CHECK_GE(nodes->size(), 1u);
   for (int node : *nodes) CHECK_EQ(node, 0);
   const int32_t on_disk = Alloc(*pool, TierKind::kNvme, 100);
-  StatusOr<std::vector<int>> none = pool->PageNodes(on_disk);
+  StatusOr<std::vector<int>> none = pool->objects().PageNodes(on_disk);
   CHECK_CODE(none, Code::kInvalidArgument);
   CHECK_CONTAINS(none.status().message(), "nvme");
 }
@@ -606,14 +617,15 @@ TEST(SetLinkChangesTheModel) {
   PoolConfig config;
   config.tiers[0].capacity = 4 * kMiB;
   std::shared_ptr<Pool> pool = NewPool(config);
-  CHECK_EQ(pool->Stats()[0].link_bytes_per_second, 0.0);
-  CHECK_OK(pool->SetLink(TierKind::kHost, 0, 25 * kMs));
-  CHECK_EQ(pool->Stats()[0].link_latency_ns, 25 * kMs);
+  CHECK_EQ(pool->objects().Stats()[0].link_bytes_per_second, 0.0);
+  CHECK_OK(pool->objects().SetLink(TierKind::kHost, 0, 25 * kMs));
+  CHECK_EQ(pool->objects().Stats()[0].link_latency_ns, 25 * kMs);
   const int32_t handle = Alloc(*pool, TierKind::kHost, 100);
   const int64_t start = NowNs();
   CHECK_OK(WriteNow(*pool, handle, Pattern(100, 1)));
   CHECK_GE(NowNs() - start, 25 * kMs);
-  CHECK_CODE(pool->SetLink(TierKind::kNvme, 1e9, 0), Code::kInvalidArgument);
+  CHECK_CODE(pool->objects().SetLink(TierKind::kNvme, 1e9, 0),
+             Code::kInvalidArgument);
 }
 
 // Several threads allocate, write, read back, check and free, while another
@@ -636,7 +648,8 @@ TEST(ConcurrentWritersAndReaders) {
       const TierKind tier = static_cast<TierKind>(rng() % 3);
       const uint64_t bytes = rng() % 2 ? 1 + rng() % 4000
                                        : 64 * kKiB + rng() % (300 * kKiB);
-      StatusOr<int32_t> handle = pool->Allocate(tier, bytes, {}, "u8");
+      StatusOr<int32_t> handle =
+          pool->objects().Allocate(tier, bytes, {}, "u8");
       if (!handle.ok()) {
         ++failures;
         continue;
@@ -644,9 +657,9 @@ TEST(ConcurrentWritersAndReaders) {
       std::vector<char> data = Pattern(bytes, who * 1000 + round);
       // Two halves written at once, in two tickets, at different priorities.
       const uint64_t half = bytes / 2;
-      auto first = pool->Write(*handle, data.data(), half, 0, 1, 0);
-      auto second = pool->Write(*handle, data.data() + half, bytes - half,
-                                half, 0, 16 * kKiB);
+      auto first = pool->transfers().Write(*handle, data.data(), half, 0, 1, 0);
+      auto second = pool->transfers().Write(*handle, data.data() + half,
+                                            bytes - half, half, 0, 16 * kKiB);
       if (!first.ok() || !second.ok() ||
           !(*first)->Wait(kLongWaitNs).ok() ||
           !(*second)->Wait(kLongWaitNs).ok()) {
@@ -660,24 +673,25 @@ TEST(ConcurrentWritersAndReaders) {
       if (!back.ok() || *back != expected) ++failures;
       if (mine.size() > 4) {
         const size_t victim = rng() % mine.size();
-        if (!pool->Free(mine[victim].first, kLongWaitNs).ok()) ++failures;
+        if (!pool->objects().Free(mine[victim].first, kLongWaitNs).ok())
+          ++failures;
         mine.erase(mine.begin() + victim);
       }
     }
     for (auto& [h, expected] : mine) {
       StatusOr<std::vector<char>> back = ReadNow(*pool, h, expected.size());
       if (!back.ok() || *back != expected) ++failures;
-      if (!pool->Free(h, kLongWaitNs).ok()) ++failures;
+      if (!pool->objects().Free(h, kLongWaitNs).ok()) ++failures;
     }
   };
   std::thread housekeeper([&] {
     int compactions = 0;
     while (!done.load()) {
-      if (!pool->Compact(kLongWaitNs).ok()) ++failures;
+      if (!pool->objects().Compact(kLongWaitNs).ok()) ++failures;
       ++compactions;
-      pool->Stats();
-      pool->DrainRecords();
-      pool->Handles();
+      pool->objects().Stats();
+      pool->transfers().DrainRecords();
+      pool->objects().Handles();
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     if (compactions == 0) ++failures;
@@ -688,8 +702,8 @@ TEST(ConcurrentWritersAndReaders) {
   done = true;
   housekeeper.join();
   CHECK_EQ(failures.load(), 0);
-  CHECK(pool->Handles().empty());
-  for (const TierStats& tier : pool->Stats()) {
+  CHECK(pool->objects().Handles().empty());
+  for (const TierStats& tier : pool->objects().Stats()) {
     CHECK_EQ(tier.arenas[0].allocator.live, 0u);
   }
   CHECK_OK(pool->Close(kLongWaitNs));
@@ -719,7 +733,7 @@ TEST(InjectedFaultsAreBoundedAndLeaveOtherObjectsIntact) {
   fail.kind = FaultSpec::Kind::kFail;
   fail.tier = static_cast<int>(TierKind::kNvme);
   fail.direction = static_cast<int>(Direction::kFromPool);
-  CHECK_OK(pool->InjectFault(fail));
+  CHECK_OK(pool->test_hooks().InjectFault(fail));
   const int32_t on_disk = stored[2].first;
   StatusOr<std::vector<char>> failed =
       ReadNow(*pool, on_disk, stored[2].second.size());
@@ -731,32 +745,32 @@ TEST(InjectedFaultsAreBoundedAndLeaveOtherObjectsIntact) {
   FaultSpec stall;
   stall.kind = FaultSpec::Kind::kStall;
   stall.tier = static_cast<int>(TierKind::kCxl);
-  CHECK_OK(pool->InjectFault(stall));
+  CHECK_OK(pool->test_hooks().InjectFault(stall));
   const int32_t victim = Alloc(*pool, TierKind::kCxl, 4096);
   const std::vector<char> data = Pattern(4096, 9);
   StatusOr<std::shared_ptr<Ticket>> ticket =
-      pool->Write(victim, data.data(), data.size(), 0, 0, 0);
+      pool->transfers().Write(victim, data.data(), data.size(), 0, 0, 0);
   CHECK_OK(ticket);
   const Status timed_out = (*ticket)->Wait(50 * kMs);
   CHECK_CODE(timed_out, Code::kTimeout);
   CHECK_CONTAINS(timed_out.message(), "(cxl tier");
   CHECK_CONTAINS(timed_out.message(), "50 ms");
-  const Status busy = pool->Free(victim, 50 * kMs);
+  const Status busy = pool->objects().Free(victim, 50 * kMs);
   CHECK_CODE(busy, Code::kTimeout);
   CHECK_CONTAINS(busy.message(), "cannot free handle " +
                                      std::to_string(victim) + " (cxl tier");
   (*ticket)->Cancel();
   CHECK_CODE((*ticket)->Wait(kLongWaitNs), Code::kTimeout);
-  CHECK_OK(pool->Free(victim, kLongWaitNs));
-  CHECK_EQ(pool->faults_injected(), 2u);
-  CHECK_OK(pool->InjectFault(FaultSpec{}));
+  CHECK_OK(pool->objects().Free(victim, kLongWaitNs));
+  CHECK_EQ(pool->test_hooks().faults_injected(), 2u);
+  CHECK_OK(pool->test_hooks().InjectFault(FaultSpec{}));
   intact();
 
   // Closing with a transfer stalled: bounded by the close timeout.
-  CHECK_OK(pool->InjectFault(stall));
+  CHECK_OK(pool->test_hooks().InjectFault(stall));
   std::vector<char> buffer(16);
-  StatusOr<std::shared_ptr<Ticket>> stuck =
-      pool->Read(stored[1].first, buffer.data(), buffer.size(), 0, 0, 0);
+  StatusOr<std::shared_ptr<Ticket>> stuck = pool->transfers().Read(
+      stored[1].first, buffer.data(), buffer.size(), 0, 0, 0);
   CHECK_OK(stuck);
   const int64_t start = NowNs();
   const Status closed = pool->Close(100 * kMs);
@@ -779,24 +793,24 @@ TEST(CloseWhileInUse) {
   auto user = [&](int who) {
     std::vector<char> buffer(200 * kKiB, static_cast<char>(who));
     while (!stop.load()) {
-      StatusOr<int32_t> handle = pool->Allocate(
+      StatusOr<int32_t> handle = pool->objects().Allocate(
           static_cast<TierKind>(who % 3), buffer.size(), {}, "u8");
       if (!handle.ok()) {
         if (handle.status().code() != Code::kClosed) ++unexpected;
         continue;
       }
-      auto ticket = pool->Write(*handle, buffer.data(), buffer.size(), 0, 0,
-                                0);
+      auto ticket = pool->transfers().Write(*handle, buffer.data(),
+                                            buffer.size(), 0, 0, 0);
       if (ticket.ok()) {
         const Status status = (*ticket)->Wait(kLongWaitNs);
         if (!status.ok() && status.code() != Code::kClosed) ++unexpected;
       } else if (ticket.status().code() != Code::kClosed) {
         ++unexpected;
       }
-      const Status freed = pool->Free(*handle, kLongWaitNs);
+      const Status freed = pool->objects().Free(*handle, kLongWaitNs);
       if (!freed.ok() && freed.code() != Code::kClosed) ++unexpected;
-      pool->Stats();
-      pool->DrainRecords();
+      pool->objects().Stats();
+      pool->transfers().DrainRecords();
     }
   };
   std::vector<std::thread> users;
@@ -817,24 +831,24 @@ TEST(DirectRangesPinTheObjectAndCountTheirBytes) {
   const std::vector<char> data = Pattern(4096, 7);
   CHECK_OK(WriteNow(*pool, host, data));
   StatusOr<DirectRange> range =
-      pool->BeginDirect(host, 1024, 512, Direction::kFromPool);
+      pool->direct().BeginDirect(host, 1024, 512, Direction::kFromPool);
   CHECK_OK(range);
   CHECK(std::memcmp(range->address, data.data() + 512, 1024) == 0);
   bool inside = false;
-  for (const MemoryRegion& region : pool->MemoryRegions()) {
+  for (const MemoryRegion& region : pool->direct().MemoryRegions()) {
     inside |= range->address >= region.base &&
               range->address + 1024 <= region.base + region.bytes;
   }
   CHECK(inside);
   // Pinned: a free waits for EndDirect (here it times out).
-  CHECK_CODE(pool->Free(host, 50'000'000), Code::kTimeout);
+  CHECK_CODE(pool->objects().Free(host, 50'000'000), Code::kTimeout);
   std::memcpy(range->address, "direct", 6);  // what a DMA would write
-  pool->EndDirect(*range);
+  pool->direct().EndDirect(*range);
   StatusOr<std::vector<char>> back = ReadNow(*pool, host, 6, 512);
   CHECK_OK(back);
   CHECK(std::memcmp(back->data(), "direct", 6) == 0);
-  CHECK_EQ(pool->Stats()[0].bytes_read, uint64_t{1024 + 6});
-  CHECK_OK(pool->Free(host, kLongWaitNs));
+  CHECK_EQ(pool->objects().Stats()[0].bytes_read, uint64_t{1024 + 6});
+  CHECK_OK(pool->objects().Free(host, kLongWaitNs));
 }
 
 // Close gives up waiting for a direct copy (a GPU's DMA) still under way:
@@ -845,33 +859,33 @@ TEST(CloseKeepsADirectRangeMappedUntilItEnds) {
   std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
   const int32_t host = Alloc(*pool, TierKind::kHost, 64 * kKiB);
   StatusOr<DirectRange> range =
-      pool->BeginDirect(host, 64 * kKiB, 0, Direction::kToPool);
+      pool->direct().BeginDirect(host, 64 * kKiB, 0, Direction::kToPool);
   CHECK_OK(range);
   CHECK_CODE(pool->Close(20 * kMs), Code::kTimeout);
   CHECK(pool->closed());
   std::memset(range->address, 0x5a, 64 * kKiB);  // the late DMA
-  pool->EndDirect(*range);  // unmaps it now
-  CHECK(pool->MemoryRegions().empty());
-  CHECK_CODE(pool->Info(host), Code::kClosed);
+  pool->direct().EndDirect(*range);              // unmaps it now
+  CHECK(pool->direct().MemoryRegions().empty());
+  CHECK_CODE(pool->objects().Info(host), Code::kClosed);
 }
 
 TEST(DirectRangesAreRefusedWhereTheCopyEngineMustMoveTheBytes) {
   TempDir dir;
   std::shared_ptr<Pool> pool = NewPool(ThreeTiers(dir.path()));
   const int32_t host = Alloc(*pool, TierKind::kHost, 64);
-  CHECK_CODE(pool->BeginDirect(host, 65, 0, Direction::kToPool),
+  CHECK_CODE(pool->direct().BeginDirect(host, 65, 0, Direction::kToPool),
              Code::kInvalidArgument);
-  CHECK_CODE(pool->BeginDirect(host + 1, 8, 0, Direction::kToPool),
+  CHECK_CODE(pool->direct().BeginDirect(host + 1, 8, 0, Direction::kToPool),
              Code::kNotFound);
-  CHECK_CODE(pool->BeginDirect(Alloc(*pool, TierKind::kNvme, 64), 8, 0,
-                               Direction::kFromPool),
+  CHECK_CODE(pool->direct().BeginDirect(Alloc(*pool, TierKind::kNvme, 64), 8, 0,
+                                        Direction::kFromPool),
              Code::kInvalidArgument);
   // The emulated cxl tier has a link model: its bytes must go through it.
   TempDir other;
   PoolConfig config = ThreeTiers(other.path());
   config.tiers[1].link_bytes_per_second = 1e9;
   std::shared_ptr<Pool> linked = NewPool(config);
-  StatusOr<DirectRange> cxl = linked->BeginDirect(
+  StatusOr<DirectRange> cxl = linked->direct().BeginDirect(
       Alloc(*linked, TierKind::kCxl, 64), 8, 0, Direction::kFromPool);
   CHECK_CODE(cxl, Code::kInvalidArgument);
   CHECK_CONTAINS(cxl.status().message(), "link model");
@@ -881,11 +895,11 @@ TEST(CloseRunsItsHooksBeforeUnmapping) {
   PoolConfig config;
   config.tiers[0].capacity = 1 * kMiB;
   std::shared_ptr<Pool> pool = NewPool(config);
-  std::vector<MemoryRegion> regions = pool->MemoryRegions();
+  std::vector<MemoryRegion> regions = pool->direct().MemoryRegions();
   CHECK_EQ(regions.size(), size_t{1});
   CHECK_GE(regions[0].bytes, uint64_t{1 * kMiB});
   int ran = 0;
-  pool->OnClose([&] {
+  pool->direct().OnClose([&] {
     ++ran;
     regions[0].base[0] = 1;  // still mapped here
   });

@@ -1,0 +1,30 @@
+#include "pool_test_hooks.h"
+
+namespace jcxl {
+
+Status PoolTestHooks::InjectFault(const FaultSpec& spec) {
+  std::lock_guard<std::mutex> lock(table_.mu_);
+  if (table_.closed_ || !transfers_.engine_) {
+    return Status(Code::kClosed,
+                  "pool " + std::to_string(table_.id_) + " is closed");
+  }
+  transfers_.engine_->InjectFault(spec);
+  return Status::Ok();
+}
+
+uint64_t PoolTestHooks::faults_injected() {
+  std::lock_guard<std::mutex> lock(table_.mu_);
+  return transfers_.engine_ ? transfers_.engine_->faults_injected() : 0;
+}
+
+Status PoolTestHooks::HoldUpdates(bool hold) {
+  std::lock_guard<std::mutex> lock(table_.mu_);
+  if (!updates_.updater_) {
+    return Status(Code::kClosed,
+                  "pool " + std::to_string(table_.id_) + " is closed");
+  }
+  updates_.updater_->Hold(hold);
+  return Status::Ok();
+}
+
+}  // namespace jcxl
