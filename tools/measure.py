@@ -373,22 +373,16 @@ def _is_method(stmt: str) -> bool:
 
 
 def update_op_files() -> dict:
-  """For each host-update operation (ffi/update_program.h's UpdateOp), the
+  """For each host-update operation (the table in ffi/update_ops.h), the
   files that name it: its C++ enumerator (kAdd) in ffi/ and elsewhere, its
   Python member (UpdateOp.ADD), or its primitive's quoted name ("add") in
   jcxl/ and ffi/; the operation named in the most files."""
-  with open(os.path.join(ROOT, "ffi", "update_program.cc"),
-            encoding="utf-8") as f:
-    prims = dict(re.findall(r'case Op::(k\w+): return "(\w+)";', f.read()))
-  with open(os.path.join(ROOT, "jcxl", "_src", "update_program.py"),
-            encoding="utf-8") as f:
-    members = dict((v, k) for k, v in re.findall(
-        r"^  ([A-Z_]+) = (\d+)", f.read().split("class UpdateOp", 1)[1]
-        .split("\nclass ", 1)[0], flags=re.M))
-  with open(os.path.join(ROOT, "ffi", "update_program.h"),
-            encoding="utf-8") as f:
-    enum = f.read().split("enum class UpdateOp", 1)[1].split("};", 1)[0]
-  values = dict(re.findall(r"\b(k\w+) = (\d+)", enum))
+  with open(os.path.join(ROOT, "ffi", "update_ops.h"), encoding="utf-8") as f:
+    rows = re.findall(r'\bX\((\w+),\s*(\d+),\s*"(\w+)"', f.read())
+  values = {f"k{name}": value for name, value, _ in rows}
+  prims = {f"k{name}": prim for name, _, prim in rows}
+  members = {value: re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+             for name, value, _ in rows}
   files = []
   for parent, dirs, names in os.walk(ROOT):
     dirs[:] = sorted(d for d in dirs if d not in _SKIP
