@@ -1,51 +1,80 @@
-r"""Train a GPT-style model whose state is larger than this machine's memory.
+r"""Train a GPT-style model whose state is twice this machine's memory.
 
-The parameters and adamw state (fp32: 12 bytes per parameter) are created
-straight into the pool a leaf at a time (``jcxl.init_in_pool``), never
-whole in memory. The pool has a small fast tier (the emulated cxl tier by
-default) and an nvme tier on a real disk behind it; ``jcxl.tiers_by_reads``
-puts the leaves a step reads most often (parameters: forward, backward and
-update) in the fast tier first, the moments (read once) after them. The
-step is ``jcxl.cxl_offload`` of the plain train step (``jax.value_and_grad``
-of the loss, ``optax.adamw``) over unrolled blocks, streamed a block at a
-time, each block updated as soon as its gradient is ready.
+The model's size comes from the machine: with ``--n_layer=0`` (the
+default) it has the fewest blocks of ``--n_embd`` whose fp32 weights and
+adamw moments (12 bytes a parameter) are at least ``--state_over_memory``
+(2.0) x physical memory. The state is created straight into the pool a
+leaf at a time (``jcxl.init_in_pool``), never whole in memory, in a small
+fast tier (the emulated cxl tier) and an nvme tier on a real disk behind
+it; ``jcxl.tiers_by_reads`` puts the leaves a step reads most often in the
+fast tier.
 
-Each step prints its loss, time, stall, the bytes each tier read and wrote
-and the nvme tier's achieved GB/s (read and write, over the time the copy
-engine was busy with each). In the same run, ``dd`` reads and writes a file
-in the nvme directory with O_DIRECT and the pool's request size (before and
-after training; the faster figure is the reference): the step's lower
-bound here is max(measured compute, nvme bytes read / dd's read GB/s +
-bytes written / dd's write GB/s).
+The step is ``jcxl.cxl_offload`` of the plain train step (``jax.value_and_
+grad`` of the loss, ``optax.adamw``) over unrolled blocks, with
+``update='host'``: adamw runs on the host next to the state, in place on
+the pool's objects (nvme state staged through memory), as ZeRO-Infinity
+does, and only weights and gradients cross the device link. The model
+computes in bfloat16 from the fp32 master weights (``dtype=bfloat16``), so
+the host update also writes each weight's bfloat16 copy, which the step
+fetches in place of the master (docs/host-update.md). ``--refetch`` (on)
+fetches a block's weights for the forward pass and again for the backward
+pass: on XLA:CPU the device is this machine's memory, and keeping every
+block's weights between the two would hold 2 bytes a parameter in it. The
+gradients of nvme state go to a memory tier while it has room, then to
+nvme (the pool spills): a memory tier holding all of them would be 2
+bytes a parameter too.
 
-Checkpoint (``--checkpoint=auto``): after all but the last step the state
-is saved with ``jcxl.checkpoint.save`` (peak RSS of the save measured), the
-last step is run, the checkpoint is restored into the same PoolArrays, and
-the last step is run again: its loss must equal the uninterrupted one. The
-checkpoint needs the state's size again on disk; where the disk has no room
-for it beside the nvme tier, it is skipped and the results say so (run
-again with a smaller ``--n_layer`` for the largest size that fits).
+Per step it records the loss and a breakdown: the step's wall time, its
+compute (``StepProfile``: the step less its waits on copies), its waits
+on the pool's copies (reads and writes together: ``StepProfile.stall_s``
+does not split them), the host update's time (``pool.updates.stats()``,
+run start to end, summed), the time the disk was busy reading and
+writing (the transfer records), and the bytes: this process's disk reads
+and writes (/proc/self/io, O_DIRECT included), the device's fetches and
+stores per tier and the update's bytes. From those, bytes per parameter
+per step against the data flow's minimum (the nvme state read and written
+once, bfloat16 weights in and gradients out once), the excess split by
+cause (``big_model_bounds.bytes_per_param``).
 
-Progress: a line every ``--progress_s`` during init, compile, each step and
-the checkpoint (bytes written to disk, RSS, VmSwap); the results say whether
-anything of the process was swapped out. Each step also reports the cxl
-tier's achieved GB/s, against its link's bandwidth.
+The lower bound of a step is max(compute alone, disk bytes read / dd's
+read rate + bytes written / dd's write rate). ``dd`` reads and writes a
+file in ``--nvme_dir`` with O_DIRECT and the pool's request size before
+and after training (the faster of the two is the reference). Compute
+alone is the same train step under plain ``jax.jit`` with its state
+resident, timed in a child process (its memory is not this one's) at 1
+and 2 blocks of the run's width and extrapolated linearly to the run's
+blocks: at full size the resident state does not fit in memory, and the
+streamed step's own compute (the profile's) includes its copies' CPU
+time on this machine's shared cores. The run reports the median and worst
+step / bound over the last 10 steps, peak RSS against 0.3x physical
+memory, and whether anything was swapped (SwapTotal, VmSwap sampled).
 
-Results: ``<run_dir>/results.json`` and ``results.md`` (config, date,
-machine, commit), and the shared results file
-``docs/results/big_model/<date>-<commit>.md``. The pool's nvme files and
-the checkpoint are deleted at the end.
+Resume (``--checkpoint=auto``): where the disk holds the nvme tier and a
+checkpoint of the state together, the state is saved before the last
+step, the last step run, the checkpoint restored into the same PoolArrays
+and the last step run again: its loss must equal the uninterrupted one.
+Where it does not, the run says so and, after the big model's pool is
+gone, does the same at the largest number of blocks of the same width
+whose tier and checkpoint fit (3 steps, the third repeated).
 
-Command line (2.83B parameters, 31.66 GiB of state, 1.35x this machine's
-23.54 GiB; the defaults are this run's; see docs/scale.md for what has run):
+Results: ``<run_dir>/results.json`` and ``results.md``, and the shared
+results file ``docs/results/big_model/<date>-<commit>.md`` (through
+``experiments.results_file``). A run smaller than the issue asks (state
+under 2x memory or fewer than 20 steps) says so in its title. The pool's
+nvme files and the checkpoint are deleted at the end.
+
+Command line (on this machine: 54 blocks of 2560, 4.25B parameters, 47.5
+GiB of state = 2.02x its 23.54 GiB; see docs/scale.md):
 
   nice -n 5 python -m experiments.big_model
 
 which is
 
-  python -m experiments.big_model --n_embd=2560 --n_layer=36 --n_head=20 \
-      --seq_len=64 --batch=1 --steps=4 --learning_rate=1e-6 \
-      --warmup_steps=0 --fast_tier=cxl --fast_capacity=3GiB \
+  python -m experiments.big_model --n_embd=2560 --n_layer=0 \
+      --state_over_memory=2.0 --n_head=20 --seq_len=64 --batch=1 \
+      --steps=20 --learning_rate=1e-6 --warmup_steps=0 --update=host \
+      --compute_dtype=bfloat16 --refetch --fast_tier=cxl \
+      --fast_capacity=3GiB --checkpoint=auto \
       --nvme_dir=runs/big_model/nvme --run_dir=runs/big_model
 """
 
@@ -53,9 +82,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,9 +102,11 @@ from flax import nnx
 
 import jcxl
 from benchmarks import bench
+from experiments import big_model_bounds as bounds
 from experiments import common
 from experiments import flags as shared_flags
 from experiments import host_allocator
+from experiments import results_file
 from jcxl import TransferRecord
 from jcxl.units import format_bytes
 from jcxl.units import parse_bytes
@@ -87,16 +120,27 @@ from models import gpt2
 # helped, the 3.25e-6 one did not); so the default is a constant 1e-6.
 LEARNING_RATE = 1e-6
 WARMUP_STEPS = 0
+# What the issue asks of the full-size run.
+FULL_STATE_OVER_MEMORY = 2.0
+FULL_STEPS = 20
+RSS_LIMIT = 0.3  # peak RSS over physical memory
+RESUME_STEPS = 3  # of the resume check at a smaller size
 
 FLAGS = flags.FlagValues()
 _N_EMBD = shared_flags.n_embd(FLAGS, default=2560, lower_bound=8)
-_N_LAYER = shared_flags.n_layer(FLAGS, default=36, lower_bound=1)
+_N_LAYER = shared_flags.n_layer(
+    FLAGS, default=0, lower_bound=0, help_text="Blocks of the model; 0: "
+    "the fewest whose state is --state_over_memory x physical memory.")
+_STATE_OVER_MEMORY = flags.DEFINE_float(
+    "state_over_memory", FULL_STATE_OVER_MEMORY, "With --n_layer=0: the "
+    "state (fp32 weights and adamw moments) over physical memory.",
+    lower_bound=0.0, flag_values=FLAGS)
 _N_HEAD = flags.DEFINE_integer("n_head", 20, "Attention heads.",
                                lower_bound=1, flag_values=FLAGS)
 _SEQ_LEN = shared_flags.seq_len(FLAGS, default=64, lower_bound=1)
 _BATCH = shared_flags.batch(FLAGS, default=1, lower_bound=1)
-_STEPS = shared_flags.steps(FLAGS, default=4, help_text="Train steps.",
-                            lower_bound=2)
+_STEPS = shared_flags.steps(FLAGS, default=FULL_STEPS,
+                            help_text="Train steps.", lower_bound=2)
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", LEARNING_RATE, "adamw's peak learning rate.",
     flag_values=FLAGS)
@@ -105,6 +149,18 @@ _WARMUP_STEPS = flags.DEFINE_integer(
     "--learning_rate over this many steps (0: constant).", lower_bound=0,
     flag_values=FLAGS)
 _SEED = shared_flags.seed(FLAGS)
+_UPDATE = flags.DEFINE_enum(
+    "update", "host", ["host", "device"], "Where adamw runs: next to the "
+    "state on the host, or in the step (streaming the state through it).",
+    flag_values=FLAGS)
+_COMPUTE_DTYPE = flags.DEFINE_enum(
+    "compute_dtype", "bfloat16", ["bfloat16", "float32"], "The model's "
+    "compute dtype (its master weights are float32 either way).",
+    flag_values=FLAGS)
+_REFETCH = flags.DEFINE_boolean(
+    "refetch", True, "Fetch a block's weights again for the backward pass "
+    "(else they stay in memory, the device's, between the two).",
+    flag_values=FLAGS)
 _FAST_TIER = flags.DEFINE_enum("fast_tier", "cxl", ["cxl", "host", "none"],
                                "The tier in front of nvme.",
                                flag_values=FLAGS)
@@ -120,18 +176,19 @@ _CHUNK = flags.DEFINE_string(
     flag_values=FLAGS)
 _CHECKPOINT = flags.DEFINE_enum(
     "checkpoint", "auto", ["auto", "off"],
-    "Save before the last step, resume, repeat it (auto: where the disk has "
-    "room).", flag_values=FLAGS)
+    "Save before the last step, resume, repeat it: at full size where the "
+    "disk holds the tier and a checkpoint, else at the largest size that "
+    "does (auto).", flag_values=FLAGS)
 _RUN_DIR = shared_flags.run_dir(
     FLAGS, default=os.path.join("runs", "big_model"),
     help_text="Where results.json and results.md go; created if missing.")
 # This machine's disk (a virtual one) reads a file just written faster for
 # a few GiB than sustained: idle, six O_DIRECT reads of a 4 GiB file in a
 # row gave 1.19 down to 0.85 GB/s, two of a 16 GiB file 0.68 and 0.63 GB/s.
-# A step reads 36 GiB, so the reference reads 16 GiB.
+# A step reads tens of GiB, so the reference reads 16 GiB.
 _DD_BYTES = flags.DEFINE_string(
     "dd_bytes", "16GiB", "Size of the dd reference file (a step of the "
-    "full-size run reads 36 GiB from nvme: the reference should be "
+    "full-size run reads tens of GiB from nvme: the reference should be "
     "sustained, not a burst).", flag_values=FLAGS)
 
 _PROGRESS_S = flags.DEFINE_float(
@@ -166,31 +223,64 @@ class Config:
   run_dir: str
   dd_bytes: int
   scan_layers: bool = False
+  update: str = "host"
+  compute_dtype: str = "bfloat16"
+  refetch: bool = True
+  state_over_memory: float = FULL_STATE_OVER_MEMORY
 
   def validate(self) -> None:
     if os.path.exists(self.nvme_dir):
       common.check_directory(self.nvme_dir, flag="--nvme_dir")
     common.check_disk_backed(self.nvme_dir, flag="--nvme_dir")
+    if self.n_layer < 1:
+      raise ValueError(f"--n_layer must be at least 1, got {self.n_layer} "
+                       "(0 is resolved from the machine's memory)")
     if self.n_embd % self.n_head:
       raise ValueError(f"--n_embd {self.n_embd} must be a multiple of "
                        f"--n_head {self.n_head}")
     if self.chunk_bytes % bench.PAGE_BYTES:
       raise ValueError(f"--chunk_bytes must be a multiple of "
                        f"{bench.PAGE_BYTES} (O_DIRECT), got {self.chunk_bytes}")
+    if self.update == "host" and (self.fast_tier == "none" or
+                                  not self.fast_capacity):
+      raise ValueError(
+          "--update=host needs a memory tier (--fast_tier=cxl or host with "
+          "a --fast_capacity): the pool keeps nvme state's gradients there "
+          f"first; got --fast_tier={self.fast_tier} --fast_capacity="
+          f"{self.fast_capacity}")
 
-  def model(self) -> gpt2.GPT2Config:
+  def model(self, n_layer: int | None = None) -> gpt2.GPT2Config:
     # Unrolled blocks: the step then updates each block as soon as its
     # gradient is ready. With scanned blocks the backward scan returns the
     # gradient of every block at once (11 GB at 2.8B parameters: the run
     # was killed for memory).
     return gpt2.GPT2Config(vocab_size=_VOCAB, n_ctx=max(self.seq_len, 64),
-                           n_embd=self.n_embd, n_layer=self.n_layer,
-                           n_head=self.n_head, scan_layers=self.scan_layers)
+                           n_embd=self.n_embd,
+                           n_layer=n_layer or self.n_layer,
+                           n_head=self.n_head, scan_layers=self.scan_layers,
+                           dtype=jnp.dtype(self.compute_dtype))
+
+  def full_size(self, memory_bytes: int, state_bytes: int) -> bool:
+    """Whether this run is the size the issue asks for."""
+    return (state_bytes >= FULL_STATE_OVER_MEMORY * memory_bytes and
+            self.steps >= FULL_STEPS)
+
+
+def default_blocks(n_embd: int, seq_len: int, state_over_memory: float,
+                   memory_bytes: int | None = None) -> int:
+  """``--n_layer=0``'s blocks: the fewest of width `n_embd` whose state is
+  `state_over_memory` x this machine's physical memory."""
+  if memory_bytes is None:
+    memory_bytes = bench.describe_machine().memory_bytes
+  return bounds.blocks_for_state(memory_bytes, state_over_memory, n_embd,
+                                 _VOCAB, max(seq_len, 64))
 
 
 def config_from_flags() -> Config:
+  n_layer = _N_LAYER.value or default_blocks(
+      _N_EMBD.value, _SEQ_LEN.value, _STATE_OVER_MEMORY.value)
   return Config(
-      n_embd=_N_EMBD.value, n_layer=_N_LAYER.value, n_head=_N_HEAD.value,
+      n_embd=_N_EMBD.value, n_layer=n_layer, n_head=_N_HEAD.value,
       seq_len=_SEQ_LEN.value, batch=_BATCH.value, steps=_STEPS.value,
       learning_rate=_LEARNING_RATE.value, warmup_steps=_WARMUP_STEPS.value,
       seed=_SEED.value,
@@ -200,7 +290,9 @@ def config_from_flags() -> Config:
       chunk_bytes=parse_bytes(_CHUNK.value, name="--chunk_bytes"),
       checkpoint=_CHECKPOINT.value, run_dir=_RUN_DIR.value,
       dd_bytes=parse_bytes(_DD_BYTES.value, name="--dd_bytes"),
-      scan_layers=_SCAN_LAYERS.value)
+      scan_layers=_SCAN_LAYERS.value, update=_UPDATE.value,
+      compute_dtype=_COMPUTE_DTYPE.value, refetch=_REFETCH.value,
+      state_over_memory=_STATE_OVER_MEMORY.value)
 
 
 # ------------------------------------------------------------ measuring
@@ -362,16 +454,97 @@ def _tier_bytes(pool: jcxl.Pool) -> dict[str, tuple[int, int]]:
           for t, s in stats.tiers.items() if s.enabled}
 
 
-def _commit() -> str:
+
+def _io_bytes() -> tuple[int, int]:
+  """Bytes this process has read from and written to storage
+  (/proc/self/io's read_bytes and write_bytes: O_DIRECT I/O included)."""
+  out = {"read_bytes:": 0, "write_bytes:": 0}
   try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "jcxl",
-                            "experiments", "models", "ffi"],
-                           capture_output=True, text=True, check=True).stdout
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return head.strip() + (" (with uncommitted changes)" if dirty else "")
+    with open("/proc/self/io", encoding="utf-8") as f:
+      for line in f:
+        key = line.split(" ", 1)[0]
+        if key in out:
+          out[key] = int(line.split()[1])
+  except OSError:
+    pass
+  return out["read_bytes:"], out["write_bytes:"]
+
+
+# --------------------------------------------------------- compute alone
+
+
+def measure_compute(payload: dict[str, Any]) -> dict[str, float]:
+  """Seconds of one resident ``jax.jit`` train step (the run's model,
+  optimizer and batch shape) per number of blocks in ``payload['blocks']``:
+  the fastest of 5 steps after one that compiles (a lower bound, so the
+  least disturbed by whatever else the machine runs). Runs in a child
+  process: see `compute_alone`."""
+  config = Config(**payload["config"])
+  tx = optimizer(config)
+  out = {}
+  for n_layer in payload["blocks"]:
+    model = config.model(n_layer)
+    params = model_common.init_params(model, seed=config.seed)
+    opt_state = tx.init(params)
+    step = jax.jit(common.make_train_step(gpt2.make_loss(model), tx),
+                   donate_argnums=(0, 1))
+    rng = np.random.default_rng(config.seed)
+    tokens = lambda: jnp.asarray(rng.integers(
+        0, _VOCAB, (config.batch, config.seq_len), dtype=np.int32))
+    times = []
+    for i in range(6):
+      batch = {"x": tokens(), "y": tokens()}
+      t0 = time.perf_counter()
+      params, opt_state, loss = step(params, opt_state, batch)
+      jax.block_until_ready(loss)
+      if i:
+        times.append(time.perf_counter() - t0)
+    out[str(n_layer)] = min(times)
+    del params, opt_state
+  return out
+
+
+def compute_alone(config: Config, n_layer: int) -> dict[str, Any]:
+  """The step's compute with nothing offloaded, at `n_layer` blocks.
+
+  The resident step of the full model does not fit in memory, so a child
+  process (whose memory is not this one's, and is gone after) times it at
+  1 and 2 blocks of the run's width; a block's compute is the difference,
+  and the model's is the 1-block step plus the other blocks' (the blocks
+  are the same work). Where the model is small enough, the child times it
+  whole as well, which checks the extrapolation.
+  """
+  blocks = [1, 2]
+  params = bounds.gpt2_params(config.n_embd, n_layer, _VOCAB,
+                              max(config.seq_len, 64))
+  direct = n_layer > 2 and 40 * params < common.mem_available() // 4
+  if direct:
+    blocks.append(n_layer)
+  payload = {"config": dataclasses.asdict(config), "blocks": blocks}
+  code = ("import json, sys\n"
+          "from experiments import big_model\n"
+          "print('COMPUTE ' + json.dumps(big_model.measure_compute("
+          "json.loads(sys.argv[1]))), flush=True)\n")
+  done = subprocess.run([sys.executable, "-c", code, json.dumps(payload)],
+                        cwd=results_file.REPO_ROOT, capture_output=True,
+                        text=True, timeout=3600, check=False)
+  line = next((l for l in done.stdout.splitlines()
+               if l.startswith("COMPUTE ")), None)
+  if done.returncode != 0 or line is None:
+    raise RuntimeError("timing the resident step failed (exit "
+                       f"{done.returncode}): {done.stderr.strip()[-2000:]}")
+  times = json.loads(line[len("COMPUTE "):])
+  per_block = max(times["2"] - times["1"], 0.0)
+  out = {"blocks_1_s": times["1"], "blocks_2_s": times["2"],
+         "per_block_s": per_block,
+         "seconds": times["1"] + (n_layer - 1) * per_block,
+         "n_layer": n_layer}
+  if direct:
+    out["measured_whole_s"] = times[str(n_layer)]
+  return out
+
+
+# ------------------------------------------------------------------ run
 
 
 def _say(text: str) -> None:
@@ -422,9 +595,10 @@ def _nbytes(tree: Any) -> int:
              for x in jax.tree.leaves(tree))
 
 
-def _pool(config: Config, state_bytes: int) -> jcxl.Pool:
-  fast = 0 if config.fast_tier == "none" else config.fast_capacity
-  nvme = max(state_bytes - fast, 0) + state_bytes // 50 + _SLACK
+
+def _pool(config: Config, state_bytes: int, param_bytes: int) -> jcxl.Pool:
+  fast = config.fast_capacity if config.fast_tier != "none" else 0
+  nvme = bounds.nvme_tier_bytes(state_bytes, param_bytes, fast, _SLACK)
   free = shutil.disk_usage(config.nvme_dir).free
   if nvme + _DISK_MARGIN > free:
     raise app.UsageError(
@@ -436,61 +610,77 @@ def _pool(config: Config, state_bytes: int) -> jcxl.Pool:
   if fast:
     sizes[config.fast_tier] = fast
   # spill: tiers_by_reads fills the fast tier to its last bytes by the
-  # allocator's rules (slab spans, page-rounded extents); should a leaf it
-  # counted in not fit there after all, it goes to nvme instead of failing
-  # a run of half an hour.
+  # allocator's rules; a leaf that does not fit there after all, and the
+  # gradients and weight copies the host update makes once it is full, go
+  # to nvme instead of failing.
   return jcxl.Pool(host=sizes["host"], cxl=sizes["cxl"], nvme=nvme,
                    nvme_dir=config.nvme_dir, chunk_bytes=config.chunk_bytes,
                    timeout_s=1800.0, spill=True)
 
 
 def _step_line(i: int, row: dict[str, Any]) -> str:
-  tiers = "  ".join(
-      f"{t} r {format_bytes(r)} w {format_bytes(w)}"
-      for t, (r, w) in row["tier_bytes"].items())
-  rates = "  ".join(
-      f"{t} GB/s r {bw['read'] / 1e9:.2f} w {bw['write'] / 1e9:.2f}"
-      for t, bw in row["tier_gbps"].items())
+  gb = lambda x: f"{x / 1e9:.2f}"
   return (f"step {i:3d}  loss {row['loss']:.4f}  {row['step_s']:7.1f} s  "
-          f"stall {row['stall_s']:6.1f} s  compute {row['compute_s']:6.1f} s"
-          f"  {tiers}  {rates}")
+          f"compute {row['compute_in_step_s']:6.1f} s  waits "
+          f"{row['waits_s']:6.1f} s  host update {row['host_update_s']:6.1f}"
+          f" s  disk r {gb(row['disk_read'])} GB ({row['disk_busy_read_s']:.1f}"
+          f" s busy) w {gb(row['disk_written'])} GB "
+          f"({row['disk_busy_write_s']:.1f} s busy)  link in "
+          f"{gb(row['link_in'])} out {gb(row['link_out'])} GB")
 
 
 def _run_step(step, params, opt_state, batch, pool) -> tuple[Any, dict]:
   before = _tier_bytes(pool)
+  io0 = _io_bytes()
+  upd0 = pool.updates.stats()
   pool.transfer_records()  # forget earlier ones
   (params, opt_state, loss), profile = step.measured_call(params, opt_state,
                                                           batch)
   loss = float(loss)
+  upd1 = pool.updates.stats()
+  io1 = _io_bytes()
   records = pool.transfer_records()
   after = _tier_bytes(pool)
+  moved = {t: (after[t][0] - before[t][0], after[t][1] - before[t][1])
+           for t in after}
+  nvme = nvme_bandwidth(records)
+  # The profile's compute is the step less its waits on copies, over its
+  # layers' segments (the time before the first fetch included).
   compute = (sum(profile.segment_compute_s) if profile.segment_compute_s
              else sum(l.compute_s for l in profile.layers))
-  row = {"loss": loss, "step_s": profile.step_s, "stall_s": profile.stall_s,
-         "compute_s": compute,
-         "tier_bytes": {t: (after[t][0] - before[t][0],
-                            after[t][1] - before[t][1]) for t in after},
-         "nvme_gbps": nvme_bandwidth(records),
+  row = {"loss": loss, "step_s": profile.step_s,
+         "compute_in_step_s": compute, "waits_s": profile.stall_s,
+         "host_update_s": (upd1.busy_ns - upd0.busy_ns) * 1e-9,
+         "host_update_runs": upd1.runs - upd0.runs,
+         "host_update_bytes_read": upd1.bytes_read - upd0.bytes_read,
+         "host_update_bytes_written": upd1.bytes_written - upd0.bytes_written,
+         "disk_busy_read_s": nvme["read_busy_s"],
+         "disk_busy_write_s": nvme["write_busy_s"],
+         "disk_read": io1[0] - io0[0], "disk_written": io1[1] - io0[1],
+         "link_in": sum(r for r, _ in moved.values()),
+         "link_out": sum(w for _, w in moved.values()),
+         "nvme_fetched": moved.get("nvme", (0, 0))[0],
+         "nvme_stored": moved.get("nvme", (0, 0))[1],
+         "tier_bytes": moved, "nvme_gbps": nvme,
          "tier_gbps": {t: tier_bandwidth(records, t) for t in after}}
   return (params, opt_state), row
 
 
-def _lower_bound(row: dict[str, Any], dd: dict[str, float]) -> float:
-  read, written = row["tier_bytes"].get("nvme", (0, 0))
-  return max(row["compute_s"], read / dd["read"] + written / dd["write"])
-
-
-def _checkpoint_room(config: Config, state_bytes: int) -> tuple[bool, str]:
-  free = shutil.disk_usage(config.nvme_dir).free
-  need = int(state_bytes * 1.05) + _DISK_MARGIN
+def _checkpoint_room(config: Config, state_bytes: int, param_bytes: int,
+                     free: int) -> tuple[bool, str]:
+  """Whether `free` bytes of disk hold the nvme tier and a checkpoint."""
+  fast = config.fast_capacity if config.fast_tier != "none" else 0
+  tier = bounds.nvme_tier_bytes(state_bytes, param_bytes, fast, _SLACK)
+  need = tier + bounds.checkpoint_bytes(state_bytes) + _DISK_MARGIN
   if config.checkpoint == "off":
     return False, "--checkpoint=off"
   if need > free:
-    return False, (f"the disk has {format_bytes(free)} free beside the nvme "
-                   f"tier; a checkpoint of this state needs "
-                   f"{format_bytes(need)} (with {format_bytes(_DISK_MARGIN)} "
-                   "left for others)")
-  return True, f"{format_bytes(free)} free beside the nvme tier"
+    return False, (f"the disk has {format_bytes(free)} free; the nvme tier "
+                   f"({format_bytes(tier)}) and a checkpoint of the state "
+                   f"({format_bytes(bounds.checkpoint_bytes(state_bytes))}) "
+                   f"need {format_bytes(need)} with "
+                   f"{format_bytes(_DISK_MARGIN)} left for others")
+  return True, f"{format_bytes(free)} free, {format_bytes(need)} needed"
 
 
 def optimizer(config: Config) -> optax.GradientTransformation:
@@ -500,6 +690,117 @@ def optimizer(config: Config) -> optax.GradientTransformation:
     return optax.adamw(config.learning_rate)
   return optax.adamw(optax.linear_schedule(
       config.learning_rate / 10, config.learning_rate, config.warmup_steps))
+
+
+def _pool_leaves(tree: Any) -> list[Any]:
+  return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jcxl.PoolArray))
+
+
+def _leaf_bytes(x: Any) -> int:
+  return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def train(config: Config, n_layer: int, steps: int, progress: Progress,
+          rss: PeakRss, resume: bool) -> dict[str, Any]:
+  """Trains `n_layer` blocks for `steps` steps in a pool of their own;
+  with `resume`, saves before the last step, runs it, restores and runs
+  it again. The pool and the checkpoint are gone when it returns."""
+  model = config.model(n_layer)
+  tx = optimizer(config)
+  build, key, param_shapes, opt_shapes = _state_shapes(model, tx, config.seed)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
+  param_bytes = _nbytes(param_shapes)
+  state_bytes = _nbytes((param_shapes, opt_shapes))
+  out: dict[str, Any] = {"n_layer": n_layer, "parameters": n_params,
+                         "state_bytes": state_bytes, "steps_run": steps}
+  corpus = data.load_stdlib_corpus()
+  batches = corpus.batches("train", config.batch, config.seq_len,
+                           seed=config.seed)
+  batches = [next(batches) for _ in range(steps)]
+  with _pool(config, state_bytes, param_bytes) as pool:
+    labels = {t.value: s.label() for t, s in pool.stats().tiers.items()
+              if s.enabled}
+    out["tiers"] = labels
+    out["links"] = {
+        t: {"bandwidth": pool.link_estimate(t).bandwidth,
+            "latency_s": pool.link_estimate(t).latency_s}
+        for t in labels if t != "nvme"}
+    _say("pool: " + "; ".join(f"{l}, {format_bytes(pool.stats()[t].capacity)}"
+                              for t, l in labels.items()))
+    t0 = time.perf_counter()
+    progress.phase("init in the pool", state_bytes)
+    param_kinds, opt_kinds = jcxl.tiers_by_reads(
+        [(param_shapes, 3), (opt_shapes, 1)], pool)
+    params = jcxl.init_in_pool(build, key, pool=pool, kinds=param_kinds)
+    opt_state = jcxl.init_in_pool(tx.init, params, pool=pool, kinds=opt_kinds)
+    init_s = time.perf_counter() - t0
+    init_peak = rss.window()
+    largest_leaf = max(_nbytes(x) for x in jax.tree.leaves(
+        (param_shapes, opt_shapes)))
+    nvme_state = sum(_leaf_bytes(x) for x in _pool_leaves((params, opt_state))
+                     if isinstance(x, jcxl.PoolArray)
+                     and jcxl.Tier(x.tier).value == "nvme")
+    out["nvme_state_bytes"] = nvme_state
+    _say(f"init in the pool: {init_s:.1f} s, peak RSS "
+         f"{format_bytes(init_peak)} (largest leaf "
+         f"{format_bytes(largest_leaf)}); {format_bytes(nvme_state)} of the "
+         "state on nvme")
+    out["init"] = {"seconds": init_s, "peak_rss_bytes": init_peak,
+                   "largest_leaf_bytes": largest_leaf}
+    step = jcxl.cxl_offload(common.make_train_step(gpt2.make_loss(model), tx),
+                            schedule="fixed:1", update=config.update,
+                            refetch=config.refetch)
+    t0 = time.perf_counter()
+    progress.phase("compile")
+    step.compile(params, opt_state, batches[0])
+    out["compile_s"] = time.perf_counter() - t0
+    _say(f"compiled in {out['compile_s']:.1f} s\n{step.plan}")
+    out["plan"] = str(step.plan)
+    out["weight_copies"] = next(
+        (u for u in getattr(step.plan, "updates", ())
+         if u.startswith("weight copies")), "")
+    rows = []
+    saved = None
+    ckpt_dir = os.path.join(config.nvme_dir, "big_model-checkpoint")
+    for i in range(steps):
+      if i == steps - 1 and resume:
+        rss.window()
+        t0 = time.perf_counter()
+        progress.phase("checkpoint save", state_bytes)
+        saved = jcxl.checkpoint.save(
+            ckpt_dir, {"params": params, "opt_state": opt_state})
+        save_s = time.perf_counter() - t0
+        save_peak = rss.window()
+        _say(f"checkpoint saved: {format_bytes(state_bytes)} in {save_s:.1f} s"
+             f", peak RSS {format_bytes(save_peak)}")
+      progress.phase(f"step {i + 1}")
+      (params, opt_state), row = _run_step(step, params, opt_state,
+                                           batches[i], pool)
+      rows.append(row)
+      _say(_step_line(i + 1, row))
+    out["steps"] = rows
+    out["peak_rss_steps_bytes"] = rss.window()
+    if saved is not None:
+      t0 = time.perf_counter()
+      progress.phase("checkpoint restore")
+      jcxl.checkpoint.restore_into(saved, {"params": params,
+                                           "opt_state": opt_state})
+      restore_s = time.perf_counter() - t0
+      progress.phase(f"step {steps} again, from the checkpoint")
+      (params, opt_state), again = _run_step(step, params, opt_state,
+                                             batches[-1], pool)
+      equal = again["loss"] == rows[-1]["loss"]
+      _say(f"resumed from the checkpoint ({restore_s:.1f} s): step "
+           f"{steps} loss {again['loss']:.6f} vs uninterrupted "
+           f"{rows[-1]['loss']:.6f}: {'EQUAL' if equal else 'DIFFERENT'}")
+      out["checkpoint"] = {
+          "n_layer": n_layer, "parameters": n_params, "bytes": state_bytes,
+          "save_s": save_s, "save_peak_rss_bytes": save_peak,
+          "restore_s": restore_s, "resumed_loss": again["loss"],
+          "uninterrupted_loss": rows[-1]["loss"], "equal": equal}
+      shutil.rmtree(ckpt_dir, ignore_errors=True)
+    del step, params, opt_state
+  return out
 
 
 def run(config: Config) -> dict[str, Any]:
@@ -526,131 +827,111 @@ def _run(config: Config, progress: Progress) -> dict[str, Any]:
   started = time.time()
   machine = bench.describe_machine(config.nvme_dir)
   model = config.model()
-  tx = optimizer(config)
-  build, key, param_shapes, opt_shapes = _state_shapes(model, tx, config.seed)
+  _, _, param_shapes, opt_shapes = _state_shapes(model, optimizer(config),
+                                                 config.seed)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(param_shapes))
+  param_bytes = _nbytes(param_shapes)
   state_bytes = _nbytes((param_shapes, opt_shapes))
   physical = machine.memory_bytes
+  full = config.full_size(physical, state_bytes)
   rss = PeakRss()
   rss.window()
   _say(f"{machine}\nmodel: GPT-2 style, {n_params / 1e9:.3f}B parameters "
-       f"(width {config.n_embd}, {config.n_layer} blocks, byte vocab), "
-       f"state (fp32 params + adamw) {format_bytes(state_bytes)} = "
-       f"{state_bytes / physical:.2f}x physical memory "
-       f"({format_bytes(physical)})")
+       f"(width {config.n_embd}, {config.n_layer} blocks, byte vocab, "
+       f"{config.compute_dtype} compute), state (fp32 weights + adamw) "
+       f"{format_bytes(state_bytes)} = {state_bytes / physical:.2f}x "
+       f"physical memory ({format_bytes(physical)}); update={config.update}"
+       + ("" if full else "; SMALLER than the issue's run (state under "
+          f"{FULL_STATE_OVER_MEMORY}x memory or under {FULL_STEPS} steps)"))
+  free = shutil.disk_usage(config.nvme_dir).free
+  room, why = _checkpoint_room(config, state_bytes, param_bytes, free)
+  results: dict[str, Any] = {
+      "full_size": full,
+      "config": dataclasses.asdict(config), "machine": machine.to_json(),
+      "commit": results_file.commit()[1],
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      "parameters": n_params, "state_bytes": state_bytes,
+      "param_bytes": param_bytes, "physical_memory_bytes": physical,
+      "state_over_physical": state_bytes / physical,
+      "disk_free_bytes": free,
+      "load_average": {"start": list(machine.load_average)}}
   progress.phase("dd before training")
   dd_before = dd_reference(config.nvme_dir, config.dd_bytes,
                            config.chunk_bytes)
   _say(f"dd O_DIRECT, {format_bytes(config.chunk_bytes)} requests: read "
        f"{dd_before['read'] / 1e9:.2f} GB/s, write "
        f"{dd_before['write'] / 1e9:.2f} GB/s")
-  results: dict[str, Any] = {
-      "config": dataclasses.asdict(config), "machine": machine.to_json(),
-      "commit": _commit(),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-          timespec="seconds"),
-      "parameters": n_params, "state_bytes": state_bytes,
-      "physical_memory_bytes": physical,
-      "state_over_physical": state_bytes / physical}
-  with _pool(config, state_bytes) as pool:
-    labels = {t.value: s.label() for t, s in pool.stats().tiers.items()
-              if s.enabled}
-    results["tiers"] = labels
-    results["links"] = {
-        t: {"bandwidth": pool.link_estimate(t).bandwidth,
-            "latency_s": pool.link_estimate(t).latency_s}
-        for t in labels if t != "nvme"}
-    _say("pool: " + "; ".join(f"{l}, {format_bytes(pool.stats()[t].capacity)}"
-                              for t, l in labels.items()))
-    t0 = time.perf_counter()
-    nvme_share = max(state_bytes - sum(
-        pool.stats()[t].capacity for t in labels if t != "nvme"), 0)
-    progress.phase("init in the pool", nvme_share)
-    param_kinds, opt_kinds = jcxl.tiers_by_reads(
-        [(param_shapes, 3), (opt_shapes, 1)], pool)
-    params = jcxl.init_in_pool(build, key, pool=pool, kinds=param_kinds)
-    opt_state = jcxl.init_in_pool(tx.init, params, pool=pool, kinds=opt_kinds)
-    init_s = time.perf_counter() - t0
-    init_peak = rss.window()
-    largest_leaf = max(_nbytes(x) for x in jax.tree.leaves(
-        (param_shapes, opt_shapes)))
-    _say(f"init in the pool: {init_s:.1f} s, peak RSS "
-         f"{format_bytes(init_peak)} (largest leaf "
-         f"{format_bytes(largest_leaf)})")
-    results["init"] = {"seconds": init_s, "peak_rss_bytes": init_peak,
-                       "largest_leaf_bytes": largest_leaf}
-    corpus = data.load_stdlib_corpus()
-    batches = corpus.batches("train", config.batch, config.seq_len,
-                             seed=config.seed)
-    batches = [next(batches) for _ in range(config.steps)]
-    step = jcxl.cxl_offload(common.make_train_step(gpt2.make_loss(model), tx),
-                            schedule="fixed:1")
-    t0 = time.perf_counter()
-    progress.phase("compile")
-    step.compile(params, opt_state, batches[0])
-    results["compile_s"] = time.perf_counter() - t0
-    _say(f"compiled in {results['compile_s']:.1f} s\n{step.plan}")
-    results["plan"] = str(step.plan)
-    room, why = _checkpoint_room(config, state_bytes)
-    rows = []
-    saved = None
-    ckpt_dir = os.path.join(config.nvme_dir, "big_model-checkpoint")
-    for i in range(config.steps):
-      if i == config.steps - 1 and room:
-        rss.window()
-        t0 = time.perf_counter()
-        progress.phase("checkpoint save", state_bytes)
-        saved = jcxl.checkpoint.save(
-            ckpt_dir, {"params": params, "opt_state": opt_state})
-        save_s = time.perf_counter() - t0
-        save_peak = rss.window()
-        _say(f"checkpoint saved: {format_bytes(state_bytes)} in {save_s:.1f} s"
-             f", peak RSS {format_bytes(save_peak)}")
-      progress.phase(f"step {i + 1}")
-      (params, opt_state), row = _run_step(step, params, opt_state,
-                                           batches[i], pool)
-      row["lower_bound_s"] = _lower_bound(row, dd_before)  # for now
-      rows.append(row)
-      _say(_step_line(i + 1, row))
-    results["steps"] = rows
-    results["peak_rss_steps_bytes"] = rss.window()
-    if saved is not None:
-      t0 = time.perf_counter()
-      progress.phase("checkpoint restore")
-      jcxl.checkpoint.restore_into(saved, {"params": params,
-                                           "opt_state": opt_state})
-      restore_s = time.perf_counter() - t0
-      progress.phase(f"step {config.steps} again, from the checkpoint")
-      (params, opt_state), again = _run_step(step, params, opt_state,
-                                             batches[-1], pool)
-      equal = again["loss"] == rows[-1]["loss"]
-      _say(f"resumed from the checkpoint ({restore_s:.1f} s): step "
-           f"{config.steps} loss {again['loss']:.6f} vs uninterrupted "
-           f"{rows[-1]['loss']:.6f}: {'EQUAL' if equal else 'DIFFERENT'}")
-      results["checkpoint"] = {
-          "size": "big", "bytes": state_bytes, "save_s": save_s,
-          "save_peak_rss_bytes": save_peak, "restore_s": restore_s,
-          "resumed_loss": again["loss"],
-          "uninterrupted_loss": rows[-1]["loss"], "equal": equal}
-      shutil.rmtree(ckpt_dir, ignore_errors=True)
-    else:
-      _say(f"checkpoint skipped: {why}")
-      results["checkpoint"] = {"skipped": why}
+  progress.phase("compute alone (resident jax.jit, a child process)")
+  results["compute_alone"] = compute_alone(config, config.n_layer)
+  _say("compute alone (resident jax.jit step, extrapolated from 1 and 2 "
+       f"blocks): {results['compute_alone']['seconds']:.2f} s")
+  big = train(config, config.n_layer, config.steps, progress, rss, room)
+  results.update({k: v for k, v in big.items()
+                  if k not in ("parameters", "state_bytes")})
+  if room:
+    results["checkpoint"] = dict(big["checkpoint"], size="full",
+                                 why=why)
+  elif config.checkpoint == "off":
+    results["checkpoint"] = {"skipped": why}
+  else:
+    results["checkpoint"] = _resume_smaller(config, progress, rss, why)
   progress.phase("dd after training")
   dd_after = dd_reference(config.nvme_dir, config.dd_bytes,
                           config.chunk_bytes)
   results["dd"] = {"before": dd_before, "after": dd_after}
+  results["load_average"]["end"] = list(os.getloadavg())
   results["peak_rss_bytes"] = max(rss.run_peak, rss.window())
   results["wall_s"] = time.time() - started
-  _summarize(results)
+  summarize(results)
   return results
 
 
-def _summarize(results: dict[str, Any]) -> None:
-  """Ratios against the reference measured in the same run."""
+def _resume_smaller(config: Config, progress: Progress, rss: PeakRss,
+                    why: str) -> dict[str, Any]:
+  """The resume check at the largest size whose tier and checkpoint fit
+  the disk now (the big model's tier is gone)."""
+  fast = config.fast_capacity if config.fast_tier != "none" else 0
+  free = shutil.disk_usage(config.nvme_dir).free
+  n_layer = min(config.n_layer, bounds.largest_blocks_that_fit(
+      free, _DISK_MARGIN, fast, _SLACK, config.n_embd, _VOCAB,
+      max(config.seq_len, 64)))
+  if n_layer < 1:
+    _say(f"checkpoint skipped: {why}; not even one block fits with one")
+    return {"skipped": f"{why}; not even one block of width "
+                       f"{config.n_embd} fits with a checkpoint"}
+  _say(f"checkpoint: not at full size ({why}); resuming at the largest "
+       f"size that fits: {n_layer} blocks")
+  small = train(config, n_layer, RESUME_STEPS, progress, rss, True)
+  return dict(small["checkpoint"], size="smaller", why=why,
+              state_bytes=small["state_bytes"],
+              disk_free_bytes=free)
+
+
+def summarize(results: dict[str, Any]) -> None:
+  """The bound, the ratios, the bytes per parameter, the loss and memory
+  verdicts, from the figures measured in the same run."""
   dd = {d: max(results["dd"]["before"][d], results["dd"]["after"][d])
         for d in ("read", "write")}
-  timed = results["steps"][1:] or results["steps"]  # the first warms up
+  rows = results["steps"]
+  compute = results["compute_alone"]["seconds"]
+  for row in rows:
+    row["lower_bound_s"] = bounds.lower_bound(compute, row["disk_read"],
+                                              row["disk_written"], dd)
+    row["bytes_per_param"] = bounds.bytes_per_param(
+        row, results["parameters"], results["nvme_state_bytes"])
+  results["dd_reference"] = dd
+  results["step_vs_bound"] = [r["step_s"] / r["lower_bound_s"] for r in rows]
+  results["warm_step_vs_bound"] = bounds.warm_ratios(results["step_vs_bound"])
+  results["warm_step_vs_bound"]["within_1_2"] = (
+      results["warm_step_vs_bound"]["worst"] <= 1.2)
+  warm = rows[-bounds.WARM_STEPS:] if len(rows) > bounds.WARM_STEPS else (
+      rows[1:] or rows)
+  results["bytes_per_param_warm"] = bounds.bytes_per_param(
+      {k: float(np.mean([r[k] for r in warm])) for k in
+       ("disk_read", "disk_written", "link_in", "link_out", "nvme_fetched",
+        "nvme_stored")}, results["parameters"], results["nvme_state_bytes"])
+  timed = rows[1:] or rows  # the first warms up
   nvme = {d: float(np.mean([r["nvme_gbps"][d] for r in timed]))
           for d in ("read", "write")}
   results["nvme_vs_dd"] = {
@@ -658,8 +939,6 @@ def _summarize(results: dict[str, Any]) -> None:
       "read": nvme["read"], "write": nvme["write"],
       "read_ratio": nvme["read"] / dd["read"],
       "write_ratio": nvme["write"] / dd["write"]}
-  for row in results["steps"]:
-    row["lower_bound_s"] = _lower_bound(row, dd)
   for tier, link in results.get("links", {}).items():
     rates = {d: float(np.mean([r["tier_gbps"][tier][d] for r in timed]))
              for d in ("read", "write")}
@@ -667,61 +946,116 @@ def _summarize(results: dict[str, Any]) -> None:
         "link": link["bandwidth"], "read": rates["read"],
         "write": rates["write"], "read_ratio": rates["read"] / link["bandwidth"],
         "write_ratio": rates["write"] / link["bandwidth"]}
-  results["step_vs_bound"] = [
-      r["step_s"] / r["lower_bound_s"] for r in results["steps"]]
+  k = max(1, len(rows) // 4)
+  first = float(np.mean([r["loss"] for r in rows[:k]]))
+  last = float(np.mean([r["loss"] for r in rows[-k:]]))
+  results["loss"] = {"steps_averaged": k, "first_mean": first,
+                     "last_mean": last, "falls": last < first}
   results["peak_rss_over_physical"] = (results["peak_rss_bytes"] /
                                        results["physical_memory_bytes"])
+  results["peak_rss_within_limit"] = (results["peak_rss_over_physical"] <=
+                                      RSS_LIMIT)
   results["peak_rss_over_state"] = (results["peak_rss_bytes"] /
                                     results["state_bytes"])
+
+
+def _bytes_table(b: dict[str, Any]) -> list[str]:
+  lines = ["| flow | bytes/param | minimum | over | where the excess goes |",
+           "| --- | --- | --- | --- | --- |"]
+  for name, f in b["flows"].items():
+    excess = "; ".join(f"{k} {v:.2f}" for k, v in f["excess"].items())
+    lines.append(f"| {name.replace('_', ' ')} | {f['measured']:.2f} | "
+                 f"{f['minimum']:.2f} | {f['over_minimum']:.2f} | {excess} |")
+  lines.append(f"| all | {b['measured']:.2f} | {b['minimum']:.2f} | "
+               f"{b['measured'] - b['minimum']:.2f} | {b['ratio']:.2f}x the "
+               "minimum |")
+  return lines
 
 
 def markdown(r: dict[str, Any]) -> str:
   c = r["config"]
   gb = lambda x: f"{x / 1e9:.2f}"
+  size = ("" if r["full_size"] else
+          " (SMALLER than the issue's run: a validation run)")
+  w = r["warm_step_vs_bound"]
+  ca = r["compute_alone"]
+  disk = r["machine"].get("disk") or {}
   lines = [
       f"# big_model: {r['parameters'] / 1e9:.3f}B parameters, state "
-      f"{r['state_over_physical']:.2f}x physical memory",
+      f"{r['state_over_physical']:.2f}x physical memory{size}",
       "",
       f"- date: {r['date']}; commit: {r['commit']}",
       f"- machine: {r['machine']['usable_cores']} cores "
       f"{r['machine']['cpu_model']}, {format_bytes(r['physical_memory_bytes'])}"
-      f" memory; disk: {r['machine']['disk']['device']} "
-      f"({r['machine']['disk']['fs_type']})",
+      f" memory; disk: {disk.get('device')} ({disk.get('fs_type')}), "
+      f"{format_bytes(r['disk_free_bytes'])} free at the start; load "
+      f"average {r['load_average']['start']} at the start, "
+      f"{r['load_average'].get('end')} at the end",
       f"- config: width {c['n_embd']}, {c['n_layer']} blocks, {c['n_head']} "
-      f"heads, byte vocab, batch {c['batch']} x {c['seq_len']} tokens, "
-      f"{c['steps']} steps, adamw lr {c['learning_rate']} (linear warmup "
-      f"from a tenth over {c['warmup_steps']} steps), fast tier "
+      f"heads, byte vocab, {c['compute_dtype']} compute from fp32 master "
+      f"weights, update={c['update']}, refetch={c['refetch']}, batch "
+      f"{c['batch']} x {c['seq_len']} tokens, {c['steps']} steps, adamw lr "
+      f"{c['learning_rate']} (warmup {c['warmup_steps']}), fast tier "
       f"{c['fast_tier']} {format_bytes(c['fast_capacity'])}, request "
       f"{format_bytes(c['chunk_bytes'])}",
       "- tiers: " + "; ".join(r["tiers"].values()),
+      f"- {r.get('weight_copies') or 'weight copies: none'}",
       "",
-      f"state {format_bytes(r['state_bytes'])}; peak RSS "
+      f"state {format_bytes(r['state_bytes'])} "
+      f"({format_bytes(r['nvme_state_bytes'])} of it on nvme); peak RSS "
       f"{format_bytes(r['peak_rss_bytes'])} = "
-      f"{r['peak_rss_over_physical']:.2f}x physical memory, "
+      f"{r['peak_rss_over_physical']:.2f}x physical memory (limit "
+      f"{RSS_LIMIT}: {'within' if r['peak_rss_within_limit'] else 'OVER'}), "
       f"{r['peak_rss_over_state']:.2f}x the state; init in the pool "
       f"{r['init']['seconds']:.0f} s (peak RSS "
-      f"{format_bytes(r['init']['peak_rss_bytes'])}, largest leaf "
-      f"{format_bytes(r['init']['largest_leaf_bytes'])}); compile "
+      f"{format_bytes(r['init']['peak_rss_bytes'])}); compile "
       f"{r['compile_s']:.0f} s",
       "",
-      "| step | loss | step s | stall s | compute s | lower bound s | "
-      "step / bound | nvme read GB | nvme written GB | nvme read GB/s | "
-      "nvme write GB/s | other tiers r/w GB | other tiers r/w GB/s |",
+      f"loss: mean of the first {r['loss']['steps_averaged']} steps "
+      f"{r['loss']['first_mean']:.4f}, of the last "
+      f"{r['loss']['steps_averaged']} "
+      f"{r['loss']['last_mean']:.4f}: "
+      f"{'falls' if r['loss']['falls'] else 'DOES NOT FALL'}.",
+      "",
+      f"compute alone (the resident jax.jit step in a child process): "
+      f"{ca['blocks_1_s']:.3f} s at 1 block, {ca['blocks_2_s']:.3f} s at 2, "
+      f"so {ca['seconds']:.2f} s at {ca['n_layer']}"
+      + (f" (timed whole: {ca['measured_whole_s']:.2f} s)"
+         if "measured_whole_s" in ca else "") + ".",
+      "",
+      f"step / lower bound over the last {w['steps']} steps: median "
+      f"{w['median']:.2f}, worst {w['worst']:.2f} (target 1.2: "
+      f"{'met' if w['within_1_2'] else 'NOT met'}); the bound is max(compute "
+      f"alone, disk reads / dd read {gb(r['dd_reference']['read'])} GB/s + "
+      f"writes / dd write {gb(r['dd_reference']['write'])} GB/s).",
+      "",
+      "| step | loss | step s | compute in step s | waits on copies s | "
+      "host update s | disk busy r/w s | disk read GB | disk written GB | "
+      "link in/out GB | bytes/param | lower bound s | step / bound |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
       "--- | --- |"]
   for i, (row, ratio) in enumerate(zip(r["steps"], r["step_vs_bound"])):
-    nr, nw = row["tier_bytes"].get("nvme", (0, 0))
-    other = ", ".join(f"{t} {gb(a)}/{gb(b)}" for t, (a, b) in
-                      row["tier_bytes"].items() if t != "nvme") or "-"
-    rates = ", ".join(f"{t} {gb(v['read'])}/{gb(v['write'])}" for t, v in
-                      row.get("tier_gbps", {}).items() if t != "nvme") or "-"
     lines.append(
-        f"| {i + 1} | {row['loss']:.4f} | {row['step_s']:.1f} | "
-        f"{row['stall_s']:.1f} | {row['compute_s']:.1f} | "
-        f"{row['lower_bound_s']:.1f} | "
-        f"{ratio:.2f} | {gb(nr)} | {gb(nw)} | "
-        f"{gb(row['nvme_gbps']['read'])} | {gb(row['nvme_gbps']['write'])} | "
-        f"{other} | {rates} |")
+        f"| {i + 1} | {row['loss']:.4f} | {row['step_s']:.2f} | "
+        f"{row['compute_in_step_s']:.2f} | {row['waits_s']:.2f} | "
+        f"{row['host_update_s']:.2f} | {row['disk_busy_read_s']:.2f} / "
+        f"{row['disk_busy_write_s']:.2f} | {gb(row['disk_read'])} | "
+        f"{gb(row['disk_written'])} | {gb(row['link_in'])} / "
+        f"{gb(row['link_out'])} | {row['bytes_per_param']['measured']:.1f} | "
+        f"{row['lower_bound_s']:.2f} | {ratio:.2f} |")
+  lines += [
+      "",
+      "Compute in step: the step less its waits on the pool's copies "
+      "(StepProfile; it includes the wait for the host update's last runs "
+      "and, on this machine, the copies' CPU time). Waits on copies: reads "
+      "and writes together (StepProfile.stall_s). Host update: its runs' "
+      "time, start to end, summed (they overlap the step). Disk busy: the "
+      "union of the device's nvme reads' (writes') copy times.",
+      "",
+      f"Bytes per parameter per step, mean of the last {w['steps']} steps, "
+      "against the data flow's minimum (the nvme state read and written "
+      "once; bfloat16 weights in and gradients out once):",
+      ""] + _bytes_table(r["bytes_per_param_warm"])
   v = r["nvme_vs_dd"]
   lines += [
       "",
@@ -729,7 +1063,7 @@ def markdown(r: dict[str, Any]) -> str:
       f"with the same request size, same run (best of before/after): read "
       f"{gb(v['read'])} / {gb(v['dd_read'])} GB/s = {v['read_ratio']:.2f}, "
       f"write {gb(v['write'])} / {gb(v['dd_write'])} GB/s = "
-      f"{v['write_ratio']:.2f} (target >= 0.90 each). dd before: read "
+      f"{v['write_ratio']:.2f}. dd before: read "
       f"{gb(r['dd']['before']['read'])}, write "
       f"{gb(r['dd']['before']['write'])}; after: read "
       f"{gb(r['dd']['after']['read'])}, write "
@@ -751,13 +1085,17 @@ def markdown(r: dict[str, Any]) -> str:
         f"{'nothing swapped' if sw['none_swapped'] else 'SWAPPED'}.", ""]
   ck = r["checkpoint"]
   if "skipped" in ck:
-    lines.append(f"checkpoint: skipped at this size: {ck['skipped']}.")
+    lines.append(f"checkpoint: skipped: {ck['skipped']}.")
   else:
+    where = ("at full size" if ck["size"] == "full" else
+             f"NOT at full size ({ck['why']}), so at the largest size that "
+             f"fits: {ck['n_layer']} blocks, {ck['parameters'] / 1e9:.3f}B "
+             "parameters")
     lines.append(
-        f"checkpoint of the full state ({format_bytes(ck['bytes'])}): save "
-        f"{ck['save_s']:.0f} s, peak RSS "
-        f"{format_bytes(ck['save_peak_rss_bytes'])}"
-        f"; restore {ck['restore_s']:.0f} s; resumed step loss "
+        f"checkpoint {where}: the state ({format_bytes(ck['bytes'])}) saved "
+        f"before the last step in {ck['save_s']:.0f} s, peak RSS "
+        f"{format_bytes(ck['save_peak_rss_bytes'])}; restored in "
+        f"{ck['restore_s']:.0f} s; the resumed step's loss "
         f"{ck['resumed_loss']:.6f} vs uninterrupted "
         f"{ck['uninterrupted_loss']:.6f}: "
         f"{'equal' if ck['equal'] else 'DIFFERENT'}.")
