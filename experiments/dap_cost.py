@@ -123,10 +123,10 @@ class Config:
                        f"{self.steps}")
     exp_common.check_json_out(self.json_out, "runs/dap_cost.json")
     # The tuner's own checks name what is wrong with a limit.
-    self.tuner_options(jcxl.TunerOptions())
+    self.tuner_options(jcxl.planning.TunerOptions())
 
-  def tuner_options(self, options: jcxl.TunerOptions
-                    ) -> jcxl.TunerOptions:
+  def tuner_options(self, options: jcxl.planning.TunerOptions
+                    ) -> jcxl.planning.TunerOptions:
     """`options` with the limits these flags set."""
     changes = {}
     if self.max_tuning_steps is not None:

@@ -4,11 +4,6 @@ Parameters and optimizer state live in a tiered pool outside the device
 (CXL memory, host DRAM, NVMe files) and stream into the jitted step.
 """
 
-from jcxl._src.schedules.profile import LayerProfile as LayerProfile
-from jcxl._src.schedules.profile import StepProfile as StepProfile
-from jcxl._src.schedules.options import TunerOptions as TunerOptions
-from jcxl._src.schedules.tuner import Tuner as Tuner
-from jcxl._src.schedules.tuner import TunerEvent as TunerEvent
 from jcxl._src.errors import CheckpointCorruptError as CheckpointCorruptError
 from jcxl._src.errors import JcxlError as JcxlError
 from jcxl._src.errors import PoolClosedError as PoolClosedError
@@ -74,15 +69,10 @@ __all__ = [
     "tiers_by_reads",
     # Offloaded steps and what they report.
     "LayerPlan",
-    "LayerProfile",
     "LayerReport",
     "LayerSchedule",
     "OffloadedStep",
     "Plan",
-    "StepProfile",
-    "Tuner",
-    "TunerEvent",
-    "TunerOptions",
     "cxl_offload",
     "cuda_available",
     # Modules.

@@ -29,6 +29,14 @@ Cost model:
     minimize the simulated step within a device-memory budget.
   choose_tiers: which tier each layer's objects should sit in.
 
+What a step hands back about its schedule (types to annotate with or test
+against; users get them from a step, not by building them):
+  StepProfile, LayerProfile: ``step.last_profile`` and
+    ``step.measured_call(...)``: what a measured step did, per layer.
+  Tuner, TunerEvent, TunerOptions: ``step.tuner`` under
+    ``schedule="dap"``, its ``history``, and its knobs
+    (``step.tuner.options = TunerOptions(...)``).
+
 Measures of this machine:
   device_rates: the default device's matmul and elementwise rates.
   round_trip_seconds: what a waited-for fetch costs beyond its link (the
@@ -50,13 +58,23 @@ from jcxl._src.schedules.costmodel import device_need as device_need
 from jcxl._src.schedules.costmodel import simulate as simulate
 from jcxl._src.jax_compat import saved_residual_bytes as saved_residual_bytes
 from jcxl._src.offload.step import step_timeline as step_timeline
+from jcxl._src.schedules.options import TunerOptions as TunerOptions
+from jcxl._src.schedules.profile import LayerProfile as LayerProfile
+from jcxl._src.schedules.profile import StepProfile as StepProfile
+from jcxl._src.schedules.tuner import Tuner as Tuner
+from jcxl._src.schedules.tuner import TunerEvent as TunerEvent
 from jcxl._src.transfer_estimate import round_trip_seconds as round_trip_seconds
 
 __all__ = [
     "Choice",
+    "LayerProfile",
     "Link",
     "Prediction",
     "Segment",
+    "StepProfile",
+    "Tuner",
+    "TunerEvent",
+    "TunerOptions",
     "choose_schedule",
     "choose_tiers",
     "device_need",

@@ -83,7 +83,7 @@ def tune_hard(tuner) -> None:
   at once: the tuner re-plans on each confirmed link drift; races are
   short, so that a few hundred steps see several of each."""
   import jcxl  # pylint: disable=g-import-not-at-top
-  tuner.options = jcxl.TunerOptions(
+  tuner.options = jcxl.planning.TunerOptions(
       measure_steps=2, check_every=2, check_every_max=2, confirm_every=1,
       drift=-0.5, link_drift=-1.0, race_rounds=1, race_block=1,
       race_max_rounds=2, max_replans=50, max_tuning_steps=40, explore=(0, 3))

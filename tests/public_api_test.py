@@ -85,7 +85,7 @@ class ExportsTest:
       params, total = step(params, jnp.ones((2, 4), jnp.float32))
       assert float(total) == 32.0
       _, profile = step.measured_call(params, jnp.ones((2, 4), jnp.float32))
-      assert isinstance(profile, jcxl.StepProfile)
+      assert isinstance(profile, jcxl.planning.StepProfile)
       assert isinstance(step.plan, jcxl.Plan)
       assert all(isinstance(l, jcxl.LayerPlan) for l in step.plan.layers)
       report = step.report()
@@ -102,10 +102,11 @@ class ExportsTest:
                               schedule="dap")
       for _ in range(2):
         params, _ = step(params, jnp.ones((2, 4), jnp.float32))
-      assert isinstance(step.tuner, jcxl.Tuner)
-      assert isinstance(step.tuner.options, jcxl.TunerOptions)
+      assert isinstance(step.tuner, jcxl.planning.Tuner)
+      assert isinstance(step.tuner.options, jcxl.planning.TunerOptions)
       assert step.tuner.history
-      assert all(isinstance(e, jcxl.TunerEvent) for e in step.tuner.history)
+      assert all(isinstance(e, jcxl.planning.TunerEvent)
+                 for e in step.tuner.history)
 
   @pytest.mark.parametrize("module", ["planning", "units", "updates"])
   def test_public_modules_document_each_name(self, module):

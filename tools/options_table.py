@@ -7,7 +7,7 @@ the options, so that each default and its meaning are written once.
 
 A table lives in its page between two markers,
 
-    <!-- options: jcxl.TunerOptions -->
+    <!-- options: jcxl.planning.TunerOptions -->
     ...
     <!-- end options -->
 

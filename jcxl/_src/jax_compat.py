@@ -128,3 +128,39 @@ def scan_counts(params) -> tuple[int, int]:
 def _flat_count(tree) -> int:
   vals = tree.vals
   return len(list(vals() if callable(vals) else vals))
+
+
+def register_traced_node(cls, flatten, unflatten) -> None:
+  """Makes `cls` a pytree node where JAX traces and dispatches (``jax.jit``,
+  ``lax.scan``, ``jax.checkpoint``) and leaves it a leaf for ``jax.tree``.
+
+  JAX keeps separate pytree registries for its users' tree functions and
+  for tracing; a type registered in the latter only reaches a jitted
+  function whole, its children traced. JAX releases without them get a
+  node everywhere (``jax.tree.leaves`` then lists the children).
+  """
+  from jax._src import tree_util  # pylint: disable=g-import-not-at-top
+  registries = [getattr(tree_util, name, None)
+                for name in ("tracing_registry", "dispatch_registry")]
+  if None in registries:
+    jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+    return
+  for registry in registries:
+    registry.register_node(cls, flatten, unflatten)
+
+
+def register_abstract_error(cls, error) -> None:
+  """Has JAX raise ``error(x)`` where it needs an abstract value (an aval)
+  for an object of type `cls` passed to a transformation as a leaf
+  (``jax.grad``, ``jax.vmap``, ``jax.device_put``)."""
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+
+  def aval(x):
+    raise error(x)
+  core.pytype_aval_mappings[cls] = aval
+
+
+def tracing() -> bool:
+  """Whether a JAX trace (``jax.jit``, ``jax.grad``...) is running."""
+  from jax._src import core  # pylint: disable=g-import-not-at-top
+  return not core.trace_state_clean()

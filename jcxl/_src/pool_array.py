@@ -1,31 +1,51 @@
 """PoolArray: an array whose bytes live in a jcxl pool, one object per shard.
 
-A PoolArray is a pytree whose only leaf is an int32 array of handles, one
-per device (laid out over the devices of its sharding, so that inside a
-``shard_map`` each device sees its own handle). Everything else (pool id,
-global shape, dtype, sharding, tier, the leaf's path and the concrete
-handles) is static: a step compiled for it is reused as long as it is the
-same objects, and errors are raised at trace time, naming the leaf.
+For ``jax.tree`` a PoolArray is a leaf that reads like an array (shape,
+dtype, size, sharding; ``np.asarray`` and ``jnp.asarray`` read its
+values). Where JAX traces (``jax.jit``, ``lax.scan``) it is a node whose
+only child is an int32 array of handles, one per device (laid out over the
+devices of its sharding, so that inside a ``shard_map`` each device sees
+its own handle). Everything else (pool id, global shape, dtype, sharding,
+tier, the leaf's path and the concrete handles) is static: a step compiled
+for it is reused as long as it is the same objects, and errors are raised
+at trace time, naming the leaf.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+import contextlib
+import copy
+import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jcxl._src import errors
 from jcxl._src import dispatched
+from jcxl._src import errors
+from jcxl._src import jax_compat
 from jcxl._src import registry
 from jcxl._src.pool import Tier
 from jcxl._src.units import format_bytes
 
 
-# jcxl.fetch, set by stream.py (which imports this module, so this one
-# cannot import it back): what a PoolArray under jax.jit becomes.
-fetch_traced: list[Any] = []
+# Set while cxl_offload traces a step: see closed_over_refused.
+_in_offloaded_trace = threading.local()
+
+
+@contextlib.contextmanager
+def closed_over_refused() -> Iterator[None]:
+  """Inside it (cxl_offload tracing a step), a PoolArray read as an array
+  raises TypeError: the step gets its state as arguments, which it plans
+  and writes back; one it closes over would be read behind the plan."""
+  before = getattr(_in_offloaded_trace, "on", False)
+  _in_offloaded_trace.on = True
+  try:
+    yield
+  finally:
+    _in_offloaded_trace.on = before
 
 
 def device_grid(sharding: jax.sharding.Sharding
@@ -56,7 +76,6 @@ def shard_shape(shape: tuple[int, ...], sharding: jax.sharding.Sharding
   return tuple(sharding.shard_shape(shape))
 
 
-@jax.tree_util.register_pytree_node_class
 class PoolArray:
   """An array stored in a jcxl pool (tiers ``host``, ``cxl`` or ``nvme``).
 
@@ -70,16 +89,17 @@ class PoolArray:
     >>> w
     PoolArray(float32[512,512], cxl (EMULATED ...), pool 1, 1 shard)
 
-  Under ``jax.tree_util`` a PoolArray is a node, not a leaf: its one leaf
-  is its handle array. It has to be: a placed tree is passed through
-  ``jax.jit``, ``lax.scan`` and ``cxl_offload``, which take only arrays as
-  leaves. So ``jax.tree.leaves(placed)`` lists handles; to see the
-  PoolArrays themselves (their ``shape``, ``dtype``, ``size``), say so:
+  It behaves as an array leaf wherever its metadata or its values are
+  read: ``jax.tree.leaves(placed)`` lists PoolArrays, ``x.shape``,
+  ``x.dtype``, ``x.size``, ``x.ndim``, ``x.nbytes`` and ``x.sharding`` are
+  the array's, and ``np.asarray(x)``, ``jnp.asarray(x)``, ``x @ y`` or
+  ``x * 2`` read its values (outside a trace from the pool; inside
+  ``jax.jit`` with ``jcxl.fetch``, where the function uses it):
 
-    >>> is_pool = lambda x: isinstance(x, jcxl.PoolArray)
-    >>> sum(x.size for x in jax.tree.leaves(params, is_leaf=is_pool))
+    >>> sum(x.size for x in jax.tree.leaves(params))
     922752
-    >>> jax.tree.map(lambda x: x.shape, params, is_leaf=is_pool)
+    >>> jax.tree.map(lambda x: x.shape, params)
+    >>> jax.jit(eval_step)(params, batch)  # fetched where eval_step reads
 
   ``jcxl.gather(tree)`` brings the values back as ``jax.Array``s.
 
@@ -104,19 +124,19 @@ class PoolArray:
     # (device id, handle) for this process's devices: static, for checks.
     self.local_handles = local_handles
 
-  # -------------------------------------------------------------- pytree
+  # ------------------------------------------------------------- tracing
 
-  def tree_flatten(self):
-    return (self.handles,), (self.pool_id, self.shape, self.dtype,
-                             self.sharding, self.tier, self.path,
-                             self.local_handles)
+  def static_key(self) -> tuple[Any, ...]:
+    """Everything but the handle array: what a step compiled for this
+    array is specific to (its handles included, as `local_handles`)."""
+    return (type(self), self.pool_id, self.shape, self.dtype, self.sharding,
+            self.tier, self.path, self.local_handles)
 
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    pool_id, shape, dtype, sharding, tier, path, local_handles = aux
-    return cls(children[0], pool_id=pool_id, shape=shape, dtype=dtype,
-               sharding=sharding, tier=tier, path=path,
-               local_handles=local_handles)
+  def with_handles(self, handles: Any) -> PoolArray:
+    """This array with another handle array (traced, or baked to NumPy)."""
+    out = copy.copy(self)
+    out.handles = handles
+    return out
 
   # ---------------------------------------------------------- properties
 
@@ -160,25 +180,66 @@ class PoolArray:
     for _, handle in self.local_handles:
       pool.free(handle)
 
-  def __jax_array__(self):
-    if isinstance(self.handles, jax.core.Tracer) and fetch_traced:
-      # Passed into a function under jax.jit (an eval helper): its value
-      # is fetched where the function needs it.
-      return fetch_traced[0](self)
-    raise TypeError(
-        f"{self._what()} was used as an array inside traced code (closed "
-        "over by a step?). Pass it to a jcxl.cxl_offload step as an "
-        "argument, fetch it with jcxl.fetch, or bring it back with "
-        "jcxl.gather")
+  # -------------------------------------------------------- array-like
+
+  def __jax_array__(self) -> jax.Array:
+    # Imported here: stream.py and placement.py import this module.
+    from jcxl._src import placement  # pylint: disable=g-import-not-at-top
+    from jcxl._src import stream  # pylint: disable=g-import-not-at-top
+    if getattr(_in_offloaded_trace, "on", False):
+      raise TypeError(
+          f"{self._what()} was used as an array inside a jcxl.cxl_offload "
+          "step that closed over it: pass it to the step as an argument "
+          "(its state), or bring it back with jcxl.gather")
+    if isinstance(self.handles, jax.core.Tracer) or jax_compat.tracing():
+      # In a traced function (an eval helper under jax.jit): fetched where
+      # the function reads it, not baked in as a constant of today's value.
+      return stream.fetch(self)
+    return placement.gather_one(self)
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    del copy  # a new array either way
+    if isinstance(self.handles, jax.core.Tracer) or jax_compat.tracing():
+      raise TypeError(
+          f"{self._what()}: np.asarray cannot read a pool array inside a "
+          "traced function; use jnp.asarray (a fetch) there")
+    out = np.asarray(self.__jax_array__())
+    return out if dtype is None else out.astype(dtype)
+
+  def __len__(self) -> int:
+    if not self.shape:
+      raise TypeError(f"len() of unsized {self._what()} (a scalar)")
+    return self.shape[0]
+
+  def __iter__(self):
+    # Without it Python would iterate through __getitem__, and JAX clamps
+    # out-of-range indices instead of raising IndexError: no end.
+    value = jnp.asarray(self)
+    return (value[i] for i in range(len(self)))
+
+  def __getitem__(self, index: Any) -> jax.Array:
+    return jnp.asarray(self)[index]
+
+  @property
+  def T(self) -> jax.Array:  # pylint: disable=invalid-name
+    return jnp.asarray(self).T
+
+  @property
+  def real(self) -> jax.Array:
+    return jnp.real(self)
+
+  @property
+  def imag(self) -> jax.Array:
+    return jnp.imag(self)
+
 
   def check_handles(self) -> None:
-    """Raises ValueError if this array's handle leaf does not name its own
+    """Raises ValueError if this array's handle array does not name its own
     objects.
 
-    A placed tree mapped over as if its leaves were arrays (``tx.init(
-    placed)``, ``jax.tree.map(jnp.zeros_like, placed)``) rebuilds each
-    PoolArray around a new leaf computed from its handles; that array would
-    read another array's objects, or none. Traced handles are not checked.
+    A PoolArray rebuilt around another handle array (returned from a
+    ``jax.jit`` function that computed new handles) would read another
+    array's objects, or none. Traced handles are not checked.
     """
     handles = self.handles
     if (self.pool_id < 0 or  # planned without a pool: no objects
@@ -191,11 +252,9 @@ class PoolArray:
     if got != want:
       raise ValueError(
           f"{self._what()} holds handles {got}, not its objects' {want}: "
-          "the placed tree was mapped over as if its leaves were arrays "
-          "(optax's tx.init(placed), jax.tree.map(f, placed)). Build new "
-          "state from values, e.g. tx.init(jcxl.gather(params)) or "
-          "jcxl.init_in_pool, and map over PoolArrays with "
-          "is_leaf=lambda x: isinstance(x, jcxl.PoolArray)")
+          "it was rebuilt around other handles (returned from a jitted "
+          "function that computed them?). Use the PoolArray jcxl.place "
+          "or jcxl.init_in_pool made")
 
   def _what(self) -> str:
     return f"PoolArray {self.path or '(unnamed)'}"
@@ -216,6 +275,74 @@ class PoolArray:
     return (f"PoolArray({self.dtype.name}[{dims}], {where}, pool "
             f"{self.pool_id}, {shards} shard{'s' * (shards != 1)} of "
             f"{format_bytes(shard_bytes)}{path})")
+
+
+_BINARY = ("add", "subtract", "multiply", "true_divide", "floor_divide",
+           "mod", "power", "matmul")
+_DUNDER = {"true_divide": "truediv", "floor_divide": "floordiv",
+           "subtract": "sub", "multiply": "mul", "power": "pow"}
+
+
+def _binary(fn: Any, reflected: bool) -> Any:
+  if reflected:
+    return lambda self, other: fn(other, jnp.asarray(self))
+  return lambda self, other: fn(jnp.asarray(self), other)
+
+
+# Operators read the values as jnp.asarray does (`w * 2`, `x @ w`);
+# comparisons and hashing stay object identity (PoolArrays are dict keys).
+for _name in _BINARY:
+  _dunder = _DUNDER.get(_name, _name)
+  setattr(PoolArray, f"__{_dunder}__", _binary(getattr(jnp, _name), False))
+  setattr(PoolArray, f"__r{_dunder}__", _binary(getattr(jnp, _name), True))
+# The jax.Array methods tree utilities call (optax.tree_utils, metrics).
+_METHODS = ("astype", "conj", "max", "mean", "min", "ravel", "reshape",
+            "squeeze", "sum", "transpose", "item")
+
+
+def _method(name: str) -> Any:
+  return lambda self, *args, **kwargs: getattr(jnp.asarray(self), name)(
+      *args, **kwargs)
+
+
+for _name in _METHODS:
+  setattr(PoolArray, _name, _method(_name))
+PoolArray.__neg__ = lambda self: -jnp.asarray(self)
+PoolArray.__pos__ = lambda self: jnp.asarray(self)
+PoolArray.__abs__ = lambda self: abs(jnp.asarray(self))
+
+
+def _flatten(x: PoolArray) -> tuple[tuple[Any], tuple[Any, ...]]:
+  return (x.handles,), x.static_key()
+
+
+def _unflatten(static: tuple[Any, ...], children: Sequence[Any]) -> PoolArray:
+  cls, pool_id, shape, dtype, sharding, tier, path, local_handles = static
+  assert cls is PoolArray, cls
+  return PoolArray(children[0], pool_id=pool_id, shape=shape, dtype=dtype,
+                   sharding=sharding, tier=tier, path=path,
+                   local_handles=local_handles)
+
+
+def _not_an_aval(x: PoolArray) -> TypeError:
+  return TypeError(
+      f"{x._what()} was passed to a JAX transformation that takes arrays "
+      "(jax.grad, jax.vmap, jax.device_put): pass jcxl.gather(tree) to "
+      "read the values, or run the function inside a jcxl.cxl_offload "
+      "step (or jax.jit, which fetches the array where it is read)")
+
+
+# A leaf for jax.tree, a node with its handles where JAX traces.
+jax_compat.register_traced_node(PoolArray, _flatten, _unflatten)
+jax_compat.register_abstract_error(PoolArray, _not_an_aval)
+
+
+def map_handles(tree: Any, fn: Any) -> Any:
+  """`tree` with each PoolArray's handle array replaced by ``fn(handles)``
+  (the rest of the tree as it is)."""
+  return jax.tree_util.tree_map(
+      lambda x: x.with_handles(fn(x.handles)) if isinstance(x, PoolArray)
+      else x, tree)
 
 
 class Liveness:
@@ -278,3 +405,6 @@ class RowBlocks(PoolArray):
   @property
   def object_shard_shape(self) -> tuple[int, ...]:
     return self.base.shard_shape
+
+  def static_key(self) -> tuple[Any, ...]:
+    return super().static_key() + (self.block_rows,)

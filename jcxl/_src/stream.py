@@ -243,15 +243,18 @@ def _fetch(x, index, after, priority, chunk_bytes):
                                 chunk_bytes=chunk_bytes))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fetch_wrt(x, wrt, index, after, priority, chunk_bytes):
+# The PoolArray goes in without its handles, as a static argument: JAX's
+# differentiation takes it as a leaf, not as the handle array it traces.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _fetch_wrt(x, handles, wrt, index, after, priority, chunk_bytes):
   del wrt
-  return _fetch(x, index, after, priority, chunk_bytes)
+  return _fetch(x.with_handles(handles), index, after, priority, chunk_bytes)
 
 
-def _fetch_wrt_fwd(x, wrt, index, after, priority, chunk_bytes):
+def _fetch_wrt_fwd(x, handles, wrt, index, after, priority, chunk_bytes):
   del wrt
-  return _fetch(x, index, after, priority, chunk_bytes), (x, index, after)
+  return (_fetch(x.with_handles(handles), index, after, priority,
+                 chunk_bytes), (handles, index, after))
 
 
 def _zero_cotangent(value):
@@ -261,11 +264,11 @@ def _zero_cotangent(value):
   return np.zeros(value.shape, jax.dtypes.float0)
 
 
-def _fetch_wrt_bwd(priority, chunk_bytes, residuals, g):
-  del priority, chunk_bytes
-  x, index, after = residuals
+def _fetch_wrt_bwd(x, priority, chunk_bytes, residuals, g):
+  del x, priority, chunk_bytes
+  handles, index, after = residuals
   # The gradient goes to `wrt`; handles, index and `after` get zeros.
-  return (jax.tree_util.tree_map(_zero_cotangent, x), g,
+  return (_zero_cotangent(handles), g,
           None if index is None else _zero_cotangent(index),
           jax.tree_util.tree_map(_zero_cotangent, after))
 
@@ -300,10 +303,10 @@ def fetch(x: PoolArray, index: Any = None, *, after: Any = None,
   """
   if wrt is None:
     return _fetch(x, index, after, priority, chunk_bytes)
-  return _fetch_wrt(x, wrt, index, after, priority, chunk_bytes)
-
-
-pool_array_lib.fetch_traced[:] = [fetch]  # see PoolArray.__jax_array__
+  if not isinstance(x, PoolArray):
+    _checked(x, "fetch")  # raises the TypeError naming what it got
+  return _fetch_wrt(x.with_handles(None), x.handles, wrt, index, after,
+                    priority, chunk_bytes)
 
 
 def _store_start_call(handle, index, value, after, *, pool_id, stacked,

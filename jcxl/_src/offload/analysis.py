@@ -35,6 +35,7 @@ from jcxl._src.offload.program import layer_of
 from jcxl._src.offload.program import reorder_by_layer
 from jcxl._src.offload.sliced_update import slice_state_updates
 from jcxl._src.pool_array import PoolArray
+from jcxl._src.pool_array import closed_over_refused
 from jcxl._src.tree_diff import first_difference
 from jcxl._src.tree_diff import leaf_paths
 from jcxl._src.tree_diff import short as short_tree
@@ -143,8 +144,9 @@ def prepare(bound: call_args.BoundCall, out_shardings: Any, name: str
   names = [bound.leaf_name(path) for path, _ in with_paths]
   avals = avals_of(args)
   fn = _with_arguments_after(bound.fn)
-  closed, (out_shape, after) = jax.make_jaxpr(fn, return_shape=True)(
-      *avals)
+  with closed_over_refused():
+    closed, (out_shape, after) = jax.make_jaxpr(fn, return_shape=True)(
+        *avals)
   targets = _state_targets(bound, out_shape, name)
   position = {id(leaf): i for i, leaf in enumerate(flat)}
   targets = {j: position[id(t)] for j, t in targets.items()}

@@ -36,7 +36,7 @@ def signature(bound: call_args.BoundCall) -> Any:
   parts = []
   for leaf in leaves:
     if isinstance(leaf, PoolArray):
-      parts.append(jax.tree_util.tree_structure(leaf))
+      parts.append(leaf.static_key())
     else:
       parts.append((tuple(np.shape(leaf)), str(getattr(leaf, "dtype", "")),
                     getattr(leaf, "sharding", None)))
@@ -57,7 +57,7 @@ def bake_handles(args: tuple[Any, ...]
   devices' handles: there they stay arguments.
   """
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_pool_array)
-  baked = {i: jax.tree_util.tree_map(np.asarray, leaf)
+  baked = {i: leaf.with_handles(np.asarray(leaf.handles))
            for i, leaf in enumerate(leaves)
            if isinstance(leaf, PoolArray) and
            getattr(leaf.handles, "is_fully_addressable", True)}
