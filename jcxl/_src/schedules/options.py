@@ -11,6 +11,10 @@ import math
 class TunerOptions:
   """Knobs of the online tuner.
 
+  Example:
+    >>> step = jcxl.cxl_offload(train_step, schedule="dap")
+    >>> step.tuner.options = jcxl.planning.TunerOptions(max_replans=2)
+
   Attributes:
     warmup_steps: steps run before the first measurement (the first call
       compiles; caches warm up).

@@ -42,7 +42,12 @@ def waits_from_raw(raw: Sequence[Any]) -> list[Wait]:
 
 @dataclasses.dataclass(frozen=True)
 class LayerProfile:
-  """One layer's share of the measured steps (per step)."""
+  """One layer's share of the measured steps (per step).
+
+  Example:
+    >>> for layer in step.last_profile.layers:
+    ...   print(layer.name, layer.stall_s, layer.bandwidth)
+  """
   name: str
   bytes_fetched: int
   bytes_stored: int
@@ -59,6 +64,10 @@ class LayerProfile:
 @dataclasses.dataclass(frozen=True)
 class StepProfile:
   """What one measured step did.
+
+  Example:
+    >>> (state, loss), profile = step.measured_call(state, batch)
+    >>> profile.step_s, profile.stall_s, profile.bytes_by_tier
 
   Attributes:
     step_s: wall time of the step, call to results ready.

@@ -92,7 +92,12 @@ class TuningCost:
 
 @dataclasses.dataclass(frozen=True)
 class TunerEvent:
-  """One thing the tuner did, for its history."""
+  """One thing the tuner did, for its history.
+
+  Example:
+    >>> for event in step.tuner.history:  # schedule="dap"
+    ...   print(event.step, event.what, event.detail)
+  """
   step: int
   # plan, replan, holds, race, raced, settled, drift (a link slowed: it
   # re-plans, and races if the plan changed), slower (only the step
@@ -104,7 +109,15 @@ class TunerEvent:
 
 
 class Tuner:
-  """Chooses and re-chooses a ``LayerSchedule`` for one step function."""
+  """Chooses and re-chooses a ``LayerSchedule`` for one step function.
+
+  A step made with ``schedule="dap"`` has one (``step.tuner``).
+
+  Example:
+    >>> step = jcxl.cxl_offload(train_step, schedule="dap")
+    >>> state, loss = step(state, batch)
+    >>> step.tuner.schedule, step.tuner.replans, step.tuner.history[-1]
+  """
 
   def __init__(self, start: LayerSchedule | None, budget: int | None,
                options: TunerOptions = TunerOptions()):
