@@ -691,11 +691,13 @@ class ExperimentTest:
     run_program("--dry_run", f"--json_out={json_out}")
     results = json.loads(json_out.read_text())
     assert set(results["median_step_s"]) == {"resident", "device", "host",
-                                             "host_once"}
-    # Weights in once, gradients out (and the step count, on this model
-    # of 0.1M parameters 0.0001 B/param).
-    assert results["traffic"]["host_once"]["total_per_param"] == (
+                                             "host_refetch"}
+    # By default weights in once, gradients out (and the step count, on
+    # this model of 0.1M parameters 0.0001 B/param); refetched, more.
+    assert results["traffic"]["host"]["total_per_param"] == (
         pytest.approx(8, abs=0.01))
+    assert set(results["host_refetch_by_layer"].values()) == {"kept"}
+    assert results["traffic"]["host_refetch"]["total_per_param"] > 10
     traffic = results["traffic"]
     # Gradients out, 4 bytes per parameter; the device update writes 12.
     assert traffic["host"]["written_per_param"] == pytest.approx(4, abs=0.01)

@@ -27,6 +27,7 @@ from jcxl._src.offload import host_update
 from jcxl._src.offload import scan_casts
 from jcxl._src.offload import weight_copies
 from jcxl._src.offload.clusters import FetchClusters
+from jcxl._src.offload.clusters import Refetch
 from jcxl._src.offload.host_update import HostUpdateNode
 from jcxl._src.offload.program import Lit
 from jcxl._src.offload.program import Node
@@ -239,12 +240,12 @@ def _check_aliases(name: str, flat: list[Any], names: list[str],
 def analyze(args: tuple[Any, ...], prep: Prepared,
             timed: bool = False, update: str = "device",
             bind: host_runs.HostUpdates | None = None,
-            refetch: bool = True) -> Analysis:
+            refetch: bool | Refetch = True) -> Analysis:
   """Traces the step and finds its clusters, stores and timeline
   (`timed`: see ``FetchClusters.timeline``), with each layer's optimizer
   update where `update` says (see ``cxl_offload``); `bind` makes the host
-  updates' objects (None: planned only, nothing made); `refetch`: see
-  ``cxl_offload``."""
+  updates' objects (None: planned only, nothing made); `refetch`: whose
+  weights are kept between uses far apart (a bool: see ``cxl_offload``)."""
   flat = jax.tree_util.tree_leaves(args, is_leaf=is_pool_array)
   closed = jax.make_jaxpr(prep.fn)(*prep.avals)
   paths = [jax.tree_util.keystr(p) for p, _ in
@@ -320,7 +321,8 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
   sliced = slice_state_updates(program, resident, stores)
   for key in sliced:
     del stores[key]  # the sliced loop stores these, layer by layer
-  fetches = FetchClusters(program, resident, key_paths, refetch)
+  fetches = FetchClusters(program, resident, key_paths, refetch,
+                          {node.layer for node in chosen})
   producer = {key: n for n, node in enumerate(program.nodes)
               for key in node.outs}
   old_key = {id(v): k for k, v in resident.items()}

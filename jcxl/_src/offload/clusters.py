@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Container
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,31 @@ _WHOLE = frozenset({"cond", "while", "scan"})
 # Uses of a leaf further apart than this many equations are separate
 # clusters (each gets its own fetch).
 _CLUSTER_GAP = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Refetch:
+  """Whose weights a step keeps on the device between uses far apart (its
+  backward pass after its forward pass) and whose it fetches again.
+
+  Attributes:
+    kept: layers (``layer_of`` their paths) whose weights are kept.
+    keep: which layers are kept besides: 'all' (every one), 'host' (every
+      one whose optimizer update runs on the host) or '' (no other).
+  """
+  kept: frozenset[str] = frozenset()
+  keep: str = ""
+
+  def keeps(self, layer: str, host_layers: Container[str] = ()) -> bool:
+    return (self.keep == "all" or layer in self.kept or
+            (self.keep == "host" and layer in host_layers))
+
+  @classmethod
+  def of(cls, refetch: bool | Refetch) -> Refetch:
+    """`refetch` as cxl_offload's bool says it (True: none kept)."""
+    if isinstance(refetch, Refetch):
+      return refetch
+    return cls() if refetch else cls(keep="all")
 
 
 @dataclasses.dataclass
@@ -61,10 +87,19 @@ def _scan_streamed_positions(node: Node, program: Program,
 
 class FetchClusters:
   """Finds the clusters of uses, the step's layer timeline, and (given a
-  schedule) when each cluster's fetch is issued."""
+  schedule) when each cluster's fetch is issued.
+
+  Attributes (besides those the fetches run by):
+    keep_bytes: per layer whose pool-resident weights have uses far apart
+      (in order of first use), their bytes: the device memory keeping
+      them in between costs.
+    kept: those of the layers whose weights are kept (`refetch`); the
+      others' are fetched again for each use far from the last.
+  """
 
   def __init__(self, program: Program, resident: dict[Any, Any],
-               paths: dict[Any, str], refetch: bool = True):
+               paths: dict[Any, str], refetch: bool | Refetch = True,
+               host_layers: Container[str] = ()):
     self.program = program
     self.resident = resident
     self.paths = paths
@@ -93,12 +128,24 @@ class FetchClusters:
           uses[key].append(i)
     clusters = []
     remat = lambda i: getattr(program.nodes[i], "remat", 0)
+    refetch = Refetch.of(refetch)
+    self.keep_bytes: dict[str, int] = {}
+    self.kept: set[str] = set()
     for key, idx in uses.items():
+      layer = layer_of(paths[key])
+      far = any(i - prev > _CLUSTER_GAP and remat(i) == remat(prev)
+                for prev, i in zip(idx, idx[1:]))
+      keep = refetch.keeps(layer, host_layers)
+      if far and isinstance(resident[key], PoolArray):
+        self.keep_bytes[layer] = (self.keep_bytes.get(layer, 0) +
+                                  shard_bytes(resident[key]))
+        if keep:
+          self.kept.add(layer)
       start = prev = idx[0]
       for i in idx[1:]:
         # A rematerialized block fetches what it recomputes with: keeping
         # the forward pass's copy would undo remat's saving.
-        if (refetch and i - prev > _CLUSTER_GAP) or remat(i) != remat(prev):
+        if (not keep and i - prev > _CLUSTER_GAP) or remat(i) != remat(prev):
           clusters.append(Cluster(key, start, prev))
           start = i
         prev = i

@@ -76,7 +76,10 @@ def record_plan(a: Analysis, schedule: schedule_lib.LayerSchedule,
         tiers=tuple(sorted(entry["tiers"])),
         prefetch=schedule.prefetch_for(name),
         chunk_bytes=schedule.chunk_for(name),
-        update=a.update_paths.get(name, "").split(":")[0]))
+        update=a.update_paths.get(name, "").split(":")[0],
+        refetch=("kept" if name in a.fetches.kept else "refetched"
+                 if name in a.fetches.keep_bytes else ""),
+        keep_bytes=a.fetches.keep_bytes.get(name, 0)))
   prediction = costmodel.simulate(
       a.segments, {l.name: l.prefetch for l in rows}, links,
       {l.name: l.chunk_bytes for l in rows})

@@ -33,11 +33,13 @@ from jcxl._src.offload import analysis
 from jcxl._src.offload import compiled as compiled_lib
 from jcxl._src.offload import host_runs
 from jcxl._src.offload import host_update
+from jcxl._src.offload import kept_weights
 from jcxl._src.offload import reports
 from jcxl._src.offload import run_order as run_order_lib
 from jcxl._src.schedules import scheduler as scheduler_lib
 from jcxl._src.offload.analysis import is_pinned
 from jcxl._src.offload.analysis import is_pool_array
+from jcxl._src.offload.clusters import Refetch
 from jcxl._src.offload.compiled import CompiledStep
 from jcxl._src.schedules.costmodel import device_need
 from jcxl._src.offload.interpreter import Interpreter
@@ -46,7 +48,6 @@ from jcxl._src.offload.reports import LayerReport
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import Liveness
 from jcxl._src.pool_array import PoolArray
-from jcxl._src.units import format_bytes
 from jcxl._src.units import parse_bytes
 
 class OffloadedStep:
@@ -70,9 +71,8 @@ class OffloadedStep:
     self._run_order = run_order
     self._update = host_update.check_mode(update)
     self._refetch = refetch  # None: chosen per call (see _refetch_of)
-    # Call signature -> whether weights are refetched, and why, where the
-    # choice was made by the budget (see _compile).
-    self._refetch_chosen: dict[Any, tuple[bool, str]] = {}
+    self._kept = kept_weights.KeptWeights(self._update, refetch,
+                                          device_budget)
     # The gradients' pool objects and programs of its host updates.
     self._host_updates = host_runs.HostUpdates()
     # This step in `run_order`: a token, so the order keeps no dropped
@@ -138,7 +138,7 @@ class OffloadedStep:
   # which must leave the scheduler and `self._plan` alone.
   def _run(self, args: tuple[Any, ...], prep: analysis.Prepared,
            ahead: schedule_lib.LayerSchedule | None = None,
-           refetch: tuple[bool, str] = (True, "")) -> list[Any]:
+           refetch: tuple[Refetch, str] = (Refetch(), "")) -> list[Any]:
     a = analysis.analyze(args, prep, update=self._update,
                          bind=self._host_updates, refetch=refetch[0])
     links = analysis.tier_links(a.resident.values())
@@ -168,28 +168,19 @@ class OffloadedStep:
                                str(self._schedule), self._groups,
                                self._first_device)
     if refetch[1]:
-      plan = dataclasses.replace(
-          plan, updates=plan.updates + (f"refetch={refetch[0]}: "
-                                        f"{refetch[1]}",))
+      plan = dataclasses.replace(plan, updates=plan.updates + (refetch[1],))
     if ahead:
       self._ahead_plans[ahead] = plan
     else:
       self._plan = self._scheduler.report(plan)
     return out
 
-  def _refetch_of(self, bound: call_args.BoundCall) -> tuple[bool, str]:
-    """Whether this call's step fetches a weight again for its backward
-    use, and why (empty: the device update's default, not reported)."""
-    if self._refetch is not None:
-      return self._refetch, f"as given (refetch={self._refetch})"
-    if self._update != "host":
-      return True, ""
-    # Weights in once and gradients out: 8 bytes per fp32 parameter a
-    # step, not 12, where the device can hold them in between.
-    return self._refetch_chosen.get(
-        compiled_lib.signature(bound),
-        (False, "each weight is kept on the device from its forward to "
-                "its backward use, within device_budget"))
+  def _refetch_of(self, bound: call_args.BoundCall
+                  ) -> tuple[Refetch, str]:
+    """Whose weights this call's step keeps on the device from their
+    forward to their backward use, and its plan's line saying so (empty:
+    the device update's default, not reported)."""
+    return self._kept.of(compiled_lib.signature(bound))
 
   @property
   def plan(self) -> schedule_lib.Plan | None:
@@ -251,15 +242,14 @@ class OffloadedStep:
       started = time.perf_counter()
       compiled = self._lower(bound, prep, baking).compile()
       self.compiles += 1
-    refetch, _ = self._refetch_of(bound)
     need = device_need(compiled.memory_analysis())
-    if (not refetch and self._refetch is None and self._budget is not None
-        and need > self._budget):
-      # The kept weights do not fit: each is fetched again where used.
-      self._refetch_chosen[compiled_lib.signature(bound)] = (
-          True, f"keeping each weight from its forward to its backward use "
-          f"would need {format_bytes(need)} of device memory, over "
-          f"device_budget ({format_bytes(self._budget)})")
+    if (self._budget is not None and need > self._budget and
+        self._kept.over_budget(compiled_lib.signature(bound), self._plan,
+                               need)):
+      # Fewer weights kept (see kept_weights): compiled again, bounded;
+      # the cost model takes the step's new fetches.
+      if self.tuner is not None:
+        self.tuner.model.new_timeline()
       return self._compile(bound)
     compiled_lib.check_budget(compiled, self._budget, self._name,
                               self._schedule)
@@ -560,10 +550,13 @@ def cxl_offload(fn: Callable | None = None, *,
       weight comes in once a step and stays from its first use to its
       last, 4 bytes per parameter less traffic (with update='host',
       weights in and gradients out: 8 bytes per fp32 parameter) for the
-      device memory of every weight in between. None (the default): False
-      with update='host' where the compiled step then fits
-      `device_budget` (else True), True otherwise; ``step.plan.updates``
-      says which, and why.
+      device memory of every weight in between. None (the default): with
+      update='host', per layer: every weight kept where the compiled step
+      then fits `device_budget`, else the layers nearest the loss whose
+      weights fit kept and the others refetched (all where none fit);
+      with update='auto' the same for the layers updated on the host;
+      True otherwise. ``step.plan`` says which per layer (its ``refetch``)
+      and why (a line of its ``updates``).
 
   Returns:
     The rewritten step; ``step.plan`` is the per-layer plan it compiled

@@ -34,9 +34,17 @@ class StepModel:
   def estimate(self, segments: Sequence[costmodel.Segment],
                links: Mapping[str, costmodel.Link]) -> None:
     """Starts from estimates (the first trace's); once it has segments,
-    later traces' estimates would undo what was measured."""
+    later traces' estimates would undo what was measured (unless
+    `new_timeline` was called)."""
     if not self.segments:
-      self.segments, self.links = list(segments), dict(links)
+      self.segments, self.links = list(segments), {**links, **self.links}
+      self._planned_step = None
+
+  def new_timeline(self) -> None:
+    """The step's fetches changed (weights kept where they were refetched,
+    or the other way: see kept_weights): its next trace's segments are
+    taken, on the links as learned."""
+    self.segments = []
 
   def choose(self, prefetch_budget: int | None,
              start: Mapping[str, int] | None) -> costmodel.Choice:

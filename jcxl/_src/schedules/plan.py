@@ -176,7 +176,13 @@ def check_made_for(schedule: Schedule, step: MadeFor) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-  """How one layer's pool-resident leaves stream into the step."""
+  """How one layer's pool-resident leaves stream into the step.
+
+  `refetch` and `keep_bytes` are about its weights whose uses are far apart
+  (its backward pass after its forward pass): "kept" on the device in
+  between, "refetched" for the later use, or "" where it has none;
+  `keep_bytes` is their size, the device memory keeping them costs.
+  """
   name: str           # the module path shared by the layer's leaves
   nbytes: int         # bytes of one device's shards of the layer's leaves
   tiers: tuple[str, ...]
@@ -184,6 +190,8 @@ class LayerPlan:
   chunk_bytes: int    # copy-engine piece size (0: the pool's default)
   update: str = ""    # where its optimizer update runs: "host", "device"
                       # (or "" where the step writes none of its state)
+  refetch: str = ""   # "kept", "refetched" or "" (see above)
+  keep_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,12 +230,12 @@ class Plan:
     end: a block's four attention projections)."""
     width = max([len("layer")] + [len(l.name) for l in self.layers])
     rows = [f"{'layer':{width}s} {'bytes':>12s} {'tier':8s} {'prefetch':>8s} "
-            f"{'chunk':>10s} {'update':>6s}"]
+            f"{'chunk':>10s} {'update':>6s} {'weights':>9s}"]
     for l in self.layers:
       chunk = format_bytes(l.chunk_bytes) if l.chunk_bytes else "pool"
       rows.append(f"{l.name:{width}s} {format_bytes(l.nbytes):>12s} "
                   f"{','.join(l.tiers):8s} {l.prefetch:8d} {chunk:>10s} "
-                  f"{l.update or '-':>6s}")
+                  f"{l.update or '-':>6s} {l.refetch or '-':>9s}")
     return "\n".join(rows)
 
   def __str__(self) -> str:
