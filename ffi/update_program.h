@@ -56,13 +56,13 @@ struct UpdateOpInfo {
 };
 
 // Every op, in code order (codes are 0 .. kNumUpdateOps - 1).
-constexpr UpdateOpInfo kUpdateOps[] = {
+inline constexpr UpdateOpInfo kUpdateOps[] = {
 #define JCXL_UPDATE_OP_INFO(name, code, primitive, arity, traced) \
   {UpdateOp::k##name, #name, primitive, arity, traced != 0},
     JCXL_UPDATE_OPS(JCXL_UPDATE_OP_INFO)
 #undef JCXL_UPDATE_OP_INFO
 };
-constexpr int32_t kNumUpdateOps =
+inline constexpr int32_t kNumUpdateOps =
     static_cast<int32_t>(sizeof(kUpdateOps) / sizeof(kUpdateOps[0]));
 
 namespace internal {
