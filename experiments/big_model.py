@@ -42,7 +42,7 @@ file in ``--nvme_dir`` with O_DIRECT and the pool's request size before
 and after training (the faster of the two is the reference). Compute
 alone is the same train step under plain ``jax.jit`` with its state
 resident, timed in a child process (its memory is not this one's) at 1
-and 2 blocks of the run's width and extrapolated linearly to the run's
+and 3 blocks of the run's width and extrapolated linearly to the run's
 blocks: at full size the resident state does not fit in memory, and the
 streamed step's own compute (the profile's) includes its copies' CPU
 time on this machine's shared cores. The run reports the median and worst
@@ -50,12 +50,13 @@ step / bound over the last 10 steps, peak RSS against 0.3x physical
 memory, and whether anything was swapped (SwapTotal, VmSwap sampled).
 
 Resume (``--checkpoint=auto``): where the disk holds the nvme tier and a
-checkpoint of the state together, the state is saved before the last
-step, the last step run, the checkpoint restored into the same PoolArrays
-and the last step run again: its loss must equal the uninterrupted one.
-Where it does not, the run says so and, after the big model's pool is
-gone, does the same at the largest number of blocks of the same width
-whose tier and checkpoint fit (3 steps, the third repeated).
+checkpoint of the state together, the state is saved after the timed
+steps (whose disk the checkpoint's I/O would share), one more step run,
+the checkpoint restored into the same PoolArrays and that step run again:
+its loss must equal the uninterrupted one. Where the disk does not hold
+both, the run says so and, after the big model's pool is gone, does the
+same at the largest number of blocks of the same width whose tier and
+checkpoint fit (3 steps, then the check).
 
 Results: ``<run_dir>/results.json`` and ``results.md``, and the shared
 results file ``docs/results/big_model/<date>-<commit>.md`` (through
@@ -103,6 +104,7 @@ from flax import nnx
 import jcxl
 from benchmarks import bench
 from experiments import big_model_bounds as bounds
+from experiments import big_model_report as report
 from experiments import common
 from experiments import flags as shared_flags
 from experiments import host_allocator
@@ -123,7 +125,6 @@ WARMUP_STEPS = 0
 # What the issue asks of the full-size run.
 FULL_STATE_OVER_MEMORY = 2.0
 FULL_STEPS = 20
-RSS_LIMIT = 0.3  # peak RSS over physical memory
 RESUME_STEPS = 3  # of the resume check at a smaller size
 
 FLAGS = flags.FlagValues()
@@ -176,9 +177,9 @@ _CHUNK = flags.DEFINE_string(
     flag_values=FLAGS)
 _CHECKPOINT = flags.DEFINE_enum(
     "checkpoint", "auto", ["auto", "off"],
-    "Save before the last step, resume, repeat it: at full size where the "
-    "disk holds the tier and a checkpoint, else at the largest size that "
-    "does (auto).", flag_values=FLAGS)
+    "Save after the steps, run one more, restore, run it again: at full "
+    "size where the disk holds the tier and a checkpoint, else at the "
+    "largest size that does (auto).", flag_values=FLAGS)
 _RUN_DIR = shared_flags.run_dir(
     FLAGS, default=os.path.join("runs", "big_model"),
     help_text="Where results.json and results.md go; created if missing.")
@@ -509,15 +510,15 @@ def compute_alone(config: Config, n_layer: int) -> dict[str, Any]:
 
   The resident step of the full model does not fit in memory, so a child
   process (whose memory is not this one's, and is gone after) times it at
-  1 and 2 blocks of the run's width; a block's compute is the difference,
-  and the model's is the 1-block step plus the other blocks' (the blocks
-  are the same work). Where the model is small enough, the child times it
-  whole as well, which checks the extrapolation.
+  1 and 3 blocks of the run's width; a block's compute is half the
+  difference, and the model's is the 1-block step plus the other blocks'
+  (the blocks are the same work). Where the model is small enough, the
+  child times it whole as well, which checks the extrapolation.
   """
-  blocks = [1, 2]
+  blocks = [1, 3]
   params = bounds.gpt2_params(config.n_embd, n_layer, _VOCAB,
                               max(config.seq_len, 64))
-  direct = n_layer > 2 and 40 * params < common.mem_available() // 4
+  direct = n_layer > 3 and 40 * params < common.mem_available() // 4
   if direct:
     blocks.append(n_layer)
   payload = {"config": dataclasses.asdict(config), "blocks": blocks}
@@ -534,17 +535,14 @@ def compute_alone(config: Config, n_layer: int) -> dict[str, Any]:
     raise RuntimeError("timing the resident step failed (exit "
                        f"{done.returncode}): {done.stderr.strip()[-2000:]}")
   times = json.loads(line[len("COMPUTE "):])
-  per_block = max(times["2"] - times["1"], 0.0)
-  out = {"blocks_1_s": times["1"], "blocks_2_s": times["2"],
+  per_block = max(times["3"] - times["1"], 0.0) / 2
+  out = {"blocks_1_s": times["1"], "blocks_3_s": times["3"],
          "per_block_s": per_block,
          "seconds": times["1"] + (n_layer - 1) * per_block,
          "n_layer": n_layer}
   if direct:
     out["measured_whole_s"] = times[str(n_layer)]
   return out
-
-
-# ------------------------------------------------------------------ run
 
 
 def _say(text: str) -> None:
@@ -596,7 +594,8 @@ def _nbytes(tree: Any) -> int:
 
 
 
-def _pool(config: Config, state_bytes: int, param_bytes: int) -> jcxl.Pool:
+def _nvme_tier(config: Config, state_bytes: int, param_bytes: int) -> int:
+  """The nvme tier's bytes; app.UsageError where the disk lacks them."""
   fast = config.fast_capacity if config.fast_tier != "none" else 0
   nvme = bounds.nvme_tier_bytes(state_bytes, param_bytes, fast, _SLACK)
   free = shutil.disk_usage(config.nvme_dir).free
@@ -606,6 +605,12 @@ def _pool(config: Config, state_bytes: int, param_bytes: int) -> jcxl.Pool:
         f"{config.nvme_dir!r}, which has {format_bytes(free)} free (and "
         f"{format_bytes(_DISK_MARGIN)} is left for others); use a smaller "
         "--n_layer")
+  return nvme
+
+
+def _pool(config: Config, state_bytes: int, param_bytes: int) -> jcxl.Pool:
+  fast = config.fast_capacity if config.fast_tier != "none" else 0
+  nvme = _nvme_tier(config, state_bytes, param_bytes)
   sizes = {"host": 0, "cxl": 0}
   if fast:
     sizes[config.fast_tier] = fast
@@ -703,8 +708,9 @@ def _leaf_bytes(x: Any) -> int:
 def train(config: Config, n_layer: int, steps: int, progress: Progress,
           rss: PeakRss, resume: bool) -> dict[str, Any]:
   """Trains `n_layer` blocks for `steps` steps in a pool of their own;
-  with `resume`, saves before the last step, runs it, restores and runs
-  it again. The pool and the checkpoint are gone when it returns."""
+  with `resume`, then saves the state, runs one more step, restores the
+  checkpoint and runs that step again. The pool and the checkpoint are
+  gone when it returns."""
   model = config.model(n_layer)
   tx = optimizer(config)
   build, key, param_shapes, opt_shapes = _state_shapes(model, tx, config.seed)
@@ -716,7 +722,8 @@ def train(config: Config, n_layer: int, steps: int, progress: Progress,
   corpus = data.load_stdlib_corpus()
   batches = corpus.batches("train", config.batch, config.seq_len,
                            seed=config.seed)
-  batches = [next(batches) for _ in range(steps)]
+  # One more batch for the resume check's step, after the timed ones.
+  batches = [next(batches) for _ in range(steps + resume)]
   with _pool(config, state_bytes, param_bytes) as pool:
     labels = {t.value: s.label() for t, s in pool.stats().tiers.items()
               if s.enabled}
@@ -760,19 +767,8 @@ def train(config: Config, n_layer: int, steps: int, progress: Progress,
         (u for u in getattr(step.plan, "updates", ())
          if u.startswith("weight copies")), "")
     rows = []
-    saved = None
     ckpt_dir = os.path.join(config.nvme_dir, "big_model-checkpoint")
     for i in range(steps):
-      if i == steps - 1 and resume:
-        rss.window()
-        t0 = time.perf_counter()
-        progress.phase("checkpoint save", state_bytes)
-        saved = jcxl.checkpoint.save(
-            ckpt_dir, {"params": params, "opt_state": opt_state})
-        save_s = time.perf_counter() - t0
-        save_peak = rss.window()
-        _say(f"checkpoint saved: {format_bytes(state_bytes)} in {save_s:.1f} s"
-             f", peak RSS {format_bytes(save_peak)}")
       progress.phase(f"step {i + 1}")
       (params, opt_state), row = _run_step(step, params, opt_state,
                                            batches[i], pool)
@@ -780,24 +776,37 @@ def train(config: Config, n_layer: int, steps: int, progress: Progress,
       _say(_step_line(i + 1, row))
     out["steps"] = rows
     out["peak_rss_steps_bytes"] = rss.window()
-    if saved is not None:
+    if resume:
+      # After the timed steps, which the checkpoint's I/O would disturb:
+      # save, run one more step, restore, run that step again.
+      t0 = time.perf_counter()
+      progress.phase("checkpoint save", state_bytes)
+      saved = jcxl.checkpoint.save(
+          ckpt_dir, {"params": params, "opt_state": opt_state})
+      save_s = time.perf_counter() - t0
+      save_peak = rss.window()
+      _say(f"checkpoint saved: {format_bytes(state_bytes)} in {save_s:.1f} s"
+           f", peak RSS {format_bytes(save_peak)}")
+      progress.phase(f"step {steps + 1}")
+      (params, opt_state), once = _run_step(step, params, opt_state,
+                                            batches[-1], pool)
       t0 = time.perf_counter()
       progress.phase("checkpoint restore")
       jcxl.checkpoint.restore_into(saved, {"params": params,
                                            "opt_state": opt_state})
       restore_s = time.perf_counter() - t0
-      progress.phase(f"step {steps} again, from the checkpoint")
+      progress.phase(f"step {steps + 1} again, from the checkpoint")
       (params, opt_state), again = _run_step(step, params, opt_state,
                                              batches[-1], pool)
-      equal = again["loss"] == rows[-1]["loss"]
+      equal = again["loss"] == once["loss"]
       _say(f"resumed from the checkpoint ({restore_s:.1f} s): step "
-           f"{steps} loss {again['loss']:.6f} vs uninterrupted "
-           f"{rows[-1]['loss']:.6f}: {'EQUAL' if equal else 'DIFFERENT'}")
+           f"{steps + 1} loss {again['loss']:.6f} vs uninterrupted "
+           f"{once['loss']:.6f}: {'EQUAL' if equal else 'DIFFERENT'}")
       out["checkpoint"] = {
           "n_layer": n_layer, "parameters": n_params, "bytes": state_bytes,
           "save_s": save_s, "save_peak_rss_bytes": save_peak,
           "restore_s": restore_s, "resumed_loss": again["loss"],
-          "uninterrupted_loss": rows[-1]["loss"], "equal": equal}
+          "uninterrupted_loss": once["loss"], "equal": equal}
       shutil.rmtree(ckpt_dir, ignore_errors=True)
     del step, params, opt_state
   return out
@@ -815,8 +824,8 @@ def run(config: Config) -> dict[str, Any]:
   common.write_json(os.path.join(config.run_dir, "results.json"), results)
   with open(os.path.join(config.run_dir, "results.md"), "w",
             encoding="utf-8") as f:
-    f.write(markdown(results))
-  _say(markdown(results))
+    f.write(report.markdown(results))
+  _say(report.markdown(results))
   return results
 
 
@@ -843,6 +852,7 @@ def _run(config: Config, progress: Progress) -> dict[str, Any]:
        f"physical memory ({format_bytes(physical)}); update={config.update}"
        + ("" if full else "; SMALLER than the issue's run (state under "
           f"{FULL_STATE_OVER_MEMORY}x memory or under {FULL_STEPS} steps)"))
+  _nvme_tier(config, state_bytes, param_bytes)  # before dd and the rest
   free = shutil.disk_usage(config.nvme_dir).free
   room, why = _checkpoint_room(config, state_bytes, param_bytes, free)
   results: dict[str, Any] = {
@@ -864,7 +874,7 @@ def _run(config: Config, progress: Progress) -> dict[str, Any]:
        f"{dd_before['write'] / 1e9:.2f} GB/s")
   progress.phase("compute alone (resident jax.jit, a child process)")
   results["compute_alone"] = compute_alone(config, config.n_layer)
-  _say("compute alone (resident jax.jit step, extrapolated from 1 and 2 "
+  _say("compute alone (resident jax.jit step, extrapolated from 1 and 3 "
        f"blocks): {results['compute_alone']['seconds']:.2f} s")
   big = train(config, config.n_layer, config.steps, progress, rss, room)
   results.update({k: v for k, v in big.items()
@@ -883,7 +893,7 @@ def _run(config: Config, progress: Progress) -> dict[str, Any]:
   results["load_average"]["end"] = list(os.getloadavg())
   results["peak_rss_bytes"] = max(rss.run_peak, rss.window())
   results["wall_s"] = time.time() - started
-  summarize(results)
+  report.summarize(results)
   return results
 
 
@@ -906,201 +916,6 @@ def _resume_smaller(config: Config, progress: Progress, rss: PeakRss,
   return dict(small["checkpoint"], size="smaller", why=why,
               state_bytes=small["state_bytes"],
               disk_free_bytes=free)
-
-
-def summarize(results: dict[str, Any]) -> None:
-  """The bound, the ratios, the bytes per parameter, the loss and memory
-  verdicts, from the figures measured in the same run."""
-  dd = {d: max(results["dd"]["before"][d], results["dd"]["after"][d])
-        for d in ("read", "write")}
-  rows = results["steps"]
-  compute = results["compute_alone"]["seconds"]
-  for row in rows:
-    row["lower_bound_s"] = bounds.lower_bound(compute, row["disk_read"],
-                                              row["disk_written"], dd)
-    row["bytes_per_param"] = bounds.bytes_per_param(
-        row, results["parameters"], results["nvme_state_bytes"])
-  results["dd_reference"] = dd
-  results["step_vs_bound"] = [r["step_s"] / r["lower_bound_s"] for r in rows]
-  results["warm_step_vs_bound"] = bounds.warm_ratios(results["step_vs_bound"])
-  results["warm_step_vs_bound"]["within_1_2"] = (
-      results["warm_step_vs_bound"]["worst"] <= 1.2)
-  warm = rows[-bounds.WARM_STEPS:] if len(rows) > bounds.WARM_STEPS else (
-      rows[1:] or rows)
-  results["bytes_per_param_warm"] = bounds.bytes_per_param(
-      {k: float(np.mean([r[k] for r in warm])) for k in
-       ("disk_read", "disk_written", "link_in", "link_out", "nvme_fetched",
-        "nvme_stored")}, results["parameters"], results["nvme_state_bytes"])
-  timed = rows[1:] or rows  # the first warms up
-  nvme = {d: float(np.mean([r["nvme_gbps"][d] for r in timed]))
-          for d in ("read", "write")}
-  results["nvme_vs_dd"] = {
-      "dd_read": dd["read"], "dd_write": dd["write"],
-      "read": nvme["read"], "write": nvme["write"],
-      "read_ratio": nvme["read"] / dd["read"],
-      "write_ratio": nvme["write"] / dd["write"]}
-  for tier, link in results.get("links", {}).items():
-    rates = {d: float(np.mean([r["tier_gbps"][tier][d] for r in timed]))
-             for d in ("read", "write")}
-    results[f"{tier}_vs_link"] = {
-        "link": link["bandwidth"], "read": rates["read"],
-        "write": rates["write"], "read_ratio": rates["read"] / link["bandwidth"],
-        "write_ratio": rates["write"] / link["bandwidth"]}
-  k = max(1, len(rows) // 4)
-  first = float(np.mean([r["loss"] for r in rows[:k]]))
-  last = float(np.mean([r["loss"] for r in rows[-k:]]))
-  results["loss"] = {"steps_averaged": k, "first_mean": first,
-                     "last_mean": last, "falls": last < first}
-  results["peak_rss_over_physical"] = (results["peak_rss_bytes"] /
-                                       results["physical_memory_bytes"])
-  results["peak_rss_within_limit"] = (results["peak_rss_over_physical"] <=
-                                      RSS_LIMIT)
-  results["peak_rss_over_state"] = (results["peak_rss_bytes"] /
-                                    results["state_bytes"])
-
-
-def _bytes_table(b: dict[str, Any]) -> list[str]:
-  lines = ["| flow | bytes/param | minimum | over | where the excess goes |",
-           "| --- | --- | --- | --- | --- |"]
-  for name, f in b["flows"].items():
-    excess = "; ".join(f"{k} {v:.2f}" for k, v in f["excess"].items())
-    lines.append(f"| {name.replace('_', ' ')} | {f['measured']:.2f} | "
-                 f"{f['minimum']:.2f} | {f['over_minimum']:.2f} | {excess} |")
-  lines.append(f"| all | {b['measured']:.2f} | {b['minimum']:.2f} | "
-               f"{b['measured'] - b['minimum']:.2f} | {b['ratio']:.2f}x the "
-               "minimum |")
-  return lines
-
-
-def markdown(r: dict[str, Any]) -> str:
-  c = r["config"]
-  gb = lambda x: f"{x / 1e9:.2f}"
-  size = ("" if r["full_size"] else
-          " (SMALLER than the issue's run: a validation run)")
-  w = r["warm_step_vs_bound"]
-  ca = r["compute_alone"]
-  disk = r["machine"].get("disk") or {}
-  lines = [
-      f"# big_model: {r['parameters'] / 1e9:.3f}B parameters, state "
-      f"{r['state_over_physical']:.2f}x physical memory{size}",
-      "",
-      f"- date: {r['date']}; commit: {r['commit']}",
-      f"- machine: {r['machine']['usable_cores']} cores "
-      f"{r['machine']['cpu_model']}, {format_bytes(r['physical_memory_bytes'])}"
-      f" memory; disk: {disk.get('device')} ({disk.get('fs_type')}), "
-      f"{format_bytes(r['disk_free_bytes'])} free at the start; load "
-      f"average {r['load_average']['start']} at the start, "
-      f"{r['load_average'].get('end')} at the end",
-      f"- config: width {c['n_embd']}, {c['n_layer']} blocks, {c['n_head']} "
-      f"heads, byte vocab, {c['compute_dtype']} compute from fp32 master "
-      f"weights, update={c['update']}, refetch={c['refetch']}, batch "
-      f"{c['batch']} x {c['seq_len']} tokens, {c['steps']} steps, adamw lr "
-      f"{c['learning_rate']} (warmup {c['warmup_steps']}), fast tier "
-      f"{c['fast_tier']} {format_bytes(c['fast_capacity'])}, request "
-      f"{format_bytes(c['chunk_bytes'])}",
-      "- tiers: " + "; ".join(r["tiers"].values()),
-      f"- {r.get('weight_copies') or 'weight copies: none'}",
-      "",
-      f"state {format_bytes(r['state_bytes'])} "
-      f"({format_bytes(r['nvme_state_bytes'])} of it on nvme); peak RSS "
-      f"{format_bytes(r['peak_rss_bytes'])} = "
-      f"{r['peak_rss_over_physical']:.2f}x physical memory (limit "
-      f"{RSS_LIMIT}: {'within' if r['peak_rss_within_limit'] else 'OVER'}), "
-      f"{r['peak_rss_over_state']:.2f}x the state; init in the pool "
-      f"{r['init']['seconds']:.0f} s (peak RSS "
-      f"{format_bytes(r['init']['peak_rss_bytes'])}); compile "
-      f"{r['compile_s']:.0f} s",
-      "",
-      f"loss: mean of the first {r['loss']['steps_averaged']} steps "
-      f"{r['loss']['first_mean']:.4f}, of the last "
-      f"{r['loss']['steps_averaged']} "
-      f"{r['loss']['last_mean']:.4f}: "
-      f"{'falls' if r['loss']['falls'] else 'DOES NOT FALL'}.",
-      "",
-      f"compute alone (the resident jax.jit step in a child process): "
-      f"{ca['blocks_1_s']:.3f} s at 1 block, {ca['blocks_2_s']:.3f} s at 2, "
-      f"so {ca['seconds']:.2f} s at {ca['n_layer']}"
-      + (f" (timed whole: {ca['measured_whole_s']:.2f} s)"
-         if "measured_whole_s" in ca else "") + ".",
-      "",
-      f"step / lower bound over the last {w['steps']} steps: median "
-      f"{w['median']:.2f}, worst {w['worst']:.2f} (target 1.2: "
-      f"{'met' if w['within_1_2'] else 'NOT met'}); the bound is max(compute "
-      f"alone, disk reads / dd read {gb(r['dd_reference']['read'])} GB/s + "
-      f"writes / dd write {gb(r['dd_reference']['write'])} GB/s).",
-      "",
-      "| step | loss | step s | compute in step s | waits on copies s | "
-      "host update s | disk busy r/w s | disk read GB | disk written GB | "
-      "link in/out GB | bytes/param | lower bound s | step / bound |",
-      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
-      "--- | --- |"]
-  for i, (row, ratio) in enumerate(zip(r["steps"], r["step_vs_bound"])):
-    lines.append(
-        f"| {i + 1} | {row['loss']:.4f} | {row['step_s']:.2f} | "
-        f"{row['compute_in_step_s']:.2f} | {row['waits_s']:.2f} | "
-        f"{row['host_update_s']:.2f} | {row['disk_busy_read_s']:.2f} / "
-        f"{row['disk_busy_write_s']:.2f} | {gb(row['disk_read'])} | "
-        f"{gb(row['disk_written'])} | {gb(row['link_in'])} / "
-        f"{gb(row['link_out'])} | {row['bytes_per_param']['measured']:.1f} | "
-        f"{row['lower_bound_s']:.2f} | {ratio:.2f} |")
-  lines += [
-      "",
-      "Compute in step: the step less its waits on the pool's copies "
-      "(StepProfile; it includes the wait for the host update's last runs "
-      "and, on this machine, the copies' CPU time). Waits on copies: reads "
-      "and writes together (StepProfile.stall_s). Host update: its runs' "
-      "time, start to end, summed (they overlap the step). Disk busy: the "
-      "union of the device's nvme reads' (writes') copy times.",
-      "",
-      f"Bytes per parameter per step, mean of the last {w['steps']} steps, "
-      "against the data flow's minimum (the nvme state read and written "
-      "once; bfloat16 weights in and gradients out once):",
-      ""] + _bytes_table(r["bytes_per_param_warm"])
-  v = r["nvme_vs_dd"]
-  lines += [
-      "",
-      f"nvme tier during training (steps 2 on, busy time) vs dd O_DIRECT "
-      f"with the same request size, same run (best of before/after): read "
-      f"{gb(v['read'])} / {gb(v['dd_read'])} GB/s = {v['read_ratio']:.2f}, "
-      f"write {gb(v['write'])} / {gb(v['dd_write'])} GB/s = "
-      f"{v['write_ratio']:.2f}. dd before: read "
-      f"{gb(r['dd']['before']['read'])}, write "
-      f"{gb(r['dd']['before']['write'])}; after: read "
-      f"{gb(r['dd']['after']['read'])}, write "
-      f"{gb(r['dd']['after']['write'])} GB/s.",
-      ""]
-  for tier in r.get("links", {}):
-    v = r[f"{tier}_vs_link"]
-    lines += [
-        f"{tier} tier during training (steps 2 on, busy time) vs its link's "
-        f"{gb(v['link'])} GB/s: read {gb(v['read'])} GB/s = "
-        f"{v['read_ratio']:.2f}, write {gb(v['write'])} GB/s = "
-        f"{v['write_ratio']:.2f}.", ""]
-  sw = r.get("swap")
-  if sw:
-    lines += [
-        f"swap: SwapTotal {format_bytes(sw['swap_total_bytes'] or 0)}; this "
-        f"process's VmSwap at most {format_bytes(sw['max_vm_swap_bytes'])} "
-        f"(sampled every progress line and at the end): "
-        f"{'nothing swapped' if sw['none_swapped'] else 'SWAPPED'}.", ""]
-  ck = r["checkpoint"]
-  if "skipped" in ck:
-    lines.append(f"checkpoint: skipped: {ck['skipped']}.")
-  else:
-    where = ("at full size" if ck["size"] == "full" else
-             f"NOT at full size ({ck['why']}), so at the largest size that "
-             f"fits: {ck['n_layer']} blocks, {ck['parameters'] / 1e9:.3f}B "
-             "parameters")
-    lines.append(
-        f"checkpoint {where}: the state ({format_bytes(ck['bytes'])}) saved "
-        f"before the last step in {ck['save_s']:.0f} s, peak RSS "
-        f"{format_bytes(ck['save_peak_rss_bytes'])}; restored in "
-        f"{ck['restore_s']:.0f} s; the resumed step's loss "
-        f"{ck['resumed_loss']:.6f} vs uninterrupted "
-        f"{ck['uninterrupted_loss']:.6f}: "
-        f"{'equal' if ck['equal'] else 'DIFFERENT'}.")
-  lines += ["", "plan:", "```", r["plan"], "```", ""]
-  return "\n".join(lines)
 
 
 def main(argv: Sequence[str]) -> None:
