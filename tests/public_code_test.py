@@ -41,10 +41,6 @@ def pool():
     yield p
 
 
-def is_pool_array(x):
-  return isinstance(x, jcxl.PoolArray)
-
-
 def assert_close(got, want):
   porting_test.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
