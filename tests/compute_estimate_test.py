@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jcxl._src.schedules import compute_estimate
-from jcxl._src.offload.program import Program
+from jcxl._src.step_ir.program import Program
 
 
 def estimate(fn, *args) -> list[float]:

@@ -13,7 +13,7 @@ from experiments.common import make_train_step as make_step
 import jax
 import jax.numpy as jnp
 import jcxl
-from jcxl._src.offload import host_runs
+from jcxl._src.host_update import choose as host_update_choose
 from models import common
 from models import gpt2
 from models import llama
@@ -313,8 +313,8 @@ class ChoicesTest:
 
 def _host_preferred(monkeypatch):
   """'auto' then runs every update on the host that the host can run."""
-  monkeypatch.setattr(host_runs, "measured_rates", lambda pool_id: (
-      host_runs.Rates(host_update=1e15, device_update=1.0)))
+  monkeypatch.setattr(host_update_choose, "measured_rates", lambda pool_id: (
+      host_update_choose.Rates(host_update=1e15, device_update=1.0)))
 
 
 class NothingSilentlyWrongTest:

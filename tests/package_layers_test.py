@@ -1,8 +1,11 @@
 """jcxl's packages depend one way: no import cycles (TYPE_CHECKING and
-function-level imports count), and schedules never imports offload."""
+function-level imports count), and each layer imports only those below it:
+offload on host_update, host_update on schedules and step_ir."""
 
 import importlib.util
 import os
+
+import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,12 +26,20 @@ class PackageLayersTest:
     graph = measure._import_graph()  # pylint: disable=protected-access
     assert measure.import_cycles(measure._units(graph))["groups"] == []  # pylint: disable=protected-access
 
-  def test_schedules_does_not_import_offload(self):
+  @pytest.mark.parametrize("lower, higher", [
+      ("jcxl._src.schedules", "jcxl._src.offload"),
+      ("jcxl._src.schedules", "jcxl._src.host_update"),
+      ("jcxl._src.host_update", "jcxl._src.offload"),
+      ("jcxl._src.step_ir", "jcxl._src.offload"),
+      ("jcxl._src.step_ir", "jcxl._src.host_update"),
+      ("jcxl._src.step_ir", "jcxl._src.schedules"),
+  ])
+  def test_a_lower_layer_does_not_import_a_higher_one(self, lower, higher):
     graph = _measure()._import_graph()  # pylint: disable=protected-access
+    assert any(name.startswith(lower + ".") for name in graph)
     back = sorted((name, target) for name, targets in graph.items()
-                  if name.startswith("jcxl._src.schedules")
-                  for target in targets
-                  if target.startswith("jcxl._src.offload"))
+                  if name.startswith(lower + ".") for target in targets
+                  if target == higher or target.startswith(higher + "."))
     assert back == []
 
   def test_a_cycle_is_found(self, tmp_path, monkeypatch):

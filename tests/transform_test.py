@@ -567,7 +567,7 @@ class TableUpdateTest:
   @pytest.mark.parametrize("devices", [1, 8])
   def test_table_update_is_sliced_by_rows(self, pool, vocab, devices,
                                           monkeypatch):
-    from jcxl._src.offload import sliced_update
+    from jcxl._src.host_update import sliced as sliced_update
     # Blocks of 16 rows (a shard's row: DIM / devices float32): the table
     # is 32 blocks, or 31 and a shorter one.
     monkeypatch.setattr(sliced_update, "ROW_BLOCK_BYTES",
@@ -597,7 +597,7 @@ class TableUpdateTest:
     assert_trees_close(jcxl.gather(off_s), ref_s, 1e-6)
 
   def test_table_update_lowers_the_device_need(self, pool, monkeypatch):
-    from jcxl._src.offload import sliced_update
+    from jcxl._src.host_update import sliced as sliced_update
     params, loss_fn = self.tied_model(4096)
     tx = optax.adamw(1e-2)
     step = make_step(loss_fn, tx)

@@ -22,19 +22,20 @@ from jcxl._src import registry
 from jcxl._src import shardings as shardings_lib
 from jcxl._src.schedules import costmodel
 from jcxl._src.errors import PoolExhaustedError
-from jcxl._src.offload import host_runs
-from jcxl._src.offload import host_update
-from jcxl._src.offload import scan_casts
-from jcxl._src.offload import weight_copies
+from jcxl._src.host_update import choose as host_update_choose
+from jcxl._src.host_update import runtime as host_update_runtime
+from jcxl._src.host_update import scan_casts
+from jcxl._src.host_update.ir import UpdateChoice
+from jcxl._src.host_update.plan import plan_host_updates
 from jcxl._src.offload.clusters import FetchClusters
 from jcxl._src.offload.clusters import Refetch
-from jcxl._src.offload.host_update import HostUpdateNode
-from jcxl._src.offload.program import Lit
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
-from jcxl._src.offload.program import layer_of
-from jcxl._src.offload.program import reorder_by_layer
-from jcxl._src.offload.sliced_update import slice_state_updates
+from jcxl._src.host_update.ir import HostUpdateNode
+from jcxl._src.step_ir.program import Lit
+from jcxl._src.step_ir.program import Node
+from jcxl._src.step_ir.program import Program
+from jcxl._src.step_ir.program import layer_of
+from jcxl._src.step_ir.program import reorder_by_layer
+from jcxl._src.host_update.sliced import slice_state_updates
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.pool_array import closed_over_refused
 from jcxl._src.tree_diff import first_difference
@@ -88,7 +89,8 @@ class Analysis:
   segments: list[costmodel.Segment]
   host_updates: list[HostUpdateNode] = dataclasses.field(default_factory=list)
   # Per layer with pool state it writes: where its update runs, and why.
-  update_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+  update_paths: dict[str, UpdateChoice] = dataclasses.field(
+      default_factory=dict)
 
 
 def _with_arguments_after(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -239,7 +241,7 @@ def _check_aliases(name: str, flat: list[Any], names: list[str],
 
 def analyze(args: tuple[Any, ...], prep: Prepared,
             timed: bool = False, update: str = "device",
-            bind: host_runs.HostUpdates | None = None,
+            bind: host_update_runtime.HostUpdates | None = None,
             refetch: bool | Refetch = True) -> Analysis:
   """Traces the step and finds its clusters, stores and timeline
   (`timed`: see ``FetchClusters.timeline``), with each layer's optimizer
@@ -280,44 +282,24 @@ def analyze(args: tuple[Any, ...], prep: Prepared,
     elif j < num_out or j in prep.written:  # the step's, then Variables'
       returned.append((j, key, target))
   returned_keys = {key for _, key, _ in returned if not isinstance(key, Lit)}
-  found, device_why = host_update.find(
-      program, resident, stores, key_paths, returned_keys, update)
-  chosen, update_paths = host_runs.choose(
-      found, update, lambda t: tier_links([t])[t.tier.value],
-      host_runs.measured_rates)
-  for layer, why in device_why.items():
-    chosen_path = update_paths.get(layer, "")
-    if chosen_path.startswith("host"):
-      # Some of its leaves on the host, the others not (lamb's weights
-      # take a device-computed update; its moments need a norm).
-      update_paths[layer] = (f"mixed: {chosen_path[6:]}; the others on "
-                             f"the device: {why}")
-    elif chosen_path:  # 'auto' chose the device for the leaves it could
-      update_paths[layer] = (f"device: {why}; the others by cost: "
-                             f"{chosen_path[8:]}")
-    else:
-      update_paths[layer] = f"device: {why}"
   state_writes = dict(stores)
-  host_update.apply(program, stores, chosen)
-  weight_copies.find(program, chosen, resident, returned_keys)
-  for node in chosen:
-    if bind is not None:
-      try:
-        bind.bind(node, program)
-      except PoolExhaustedError:
-        if update != "auto":
-          raise
-        # No room for its gradients' objects: 'auto' runs where 'device'
-        # does.
-        a = analyze(args, prep, timed, "device", None, refetch)
-        return dataclasses.replace(a, update_paths={
-            layer: "device: the pool has no room for the host update's "
-                   "gradients" for layer in a.update_paths})
-    else:
-      node.staging = {k: host_runs.virtual_staging(node, k)
-                      for k in node.grads}
-      host_runs.virtual_copies(node)
-  weight_copies.apply(program, chosen, resident, values, key_paths)
+  try:
+    hosted = plan_host_updates(
+        program, resident, stores, key_paths, returned_keys, update,
+        lambda t: tier_links([t])[t.tier.value], bind)
+  except PoolExhaustedError:
+    if update != "auto":
+      raise
+    # No room for its gradients' objects: 'auto' runs where 'device' does.
+    a = analyze(args, prep, timed, "device", None, refetch)
+    return dataclasses.replace(
+        a, update_paths=host_update_choose.no_room(a.update_paths))
+  chosen, update_paths = list(hosted.nodes), dict(hosted.choices)
+  for key in hosted.written:
+    del stores[key]  # the host updates write these
+  resident.update(hosted.copies)
+  values.update(hosted.copies)
+  key_paths.update(hosted.copy_paths)
   sliced = slice_state_updates(program, resident, stores)
   for key in sliced:
     del stores[key]  # the sliced loop stores these, layer by layer

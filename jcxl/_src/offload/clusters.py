@@ -18,12 +18,12 @@ from jcxl._src.schedules import costmodel
 from jcxl._src import jax_compat
 from jcxl._src.schedules import plan as schedule_lib
 from jcxl._src.pool_array import PoolArray
-from jcxl._src.offload.program import Lit
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
-from jcxl._src.offload.program import group_of
-from jcxl._src.offload.program import layer_of
-from jcxl._src.offload.sliced_update import SlicedNode
+from jcxl._src.step_ir.program import Lit
+from jcxl._src.step_ir.program import Node
+from jcxl._src.step_ir.program import Program
+from jcxl._src.step_ir.program import group_of
+from jcxl._src.step_ir.program import layer_of
+from jcxl._src.host_update.sliced import SlicedNode
 
 # Higher-order primitives that may take a pool-resident value whole.
 _WHOLE = frozenset({"cond", "while", "scan"})

@@ -30,13 +30,13 @@ from jcxl._src.schedules import costmodel
 from jcxl._src.offload.clusters import Cluster
 from jcxl._src.offload.clusters import FetchClusters
 from jcxl._src.offload.clusters import unordered_reads
-from jcxl._src.offload.host_update import HostUpdateNode
-from jcxl._src.offload.program import Lit
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
-from jcxl._src.offload.program import layer_of
-from jcxl._src.offload.sliced_update import SlicedNode
-from jcxl._src.offload.sliced_update import evaluate_slice
+from jcxl._src.host_update.ir import HostUpdateNode
+from jcxl._src.step_ir.program import Lit
+from jcxl._src.step_ir.program import Node
+from jcxl._src.step_ir.program import Program
+from jcxl._src.step_ir.program import layer_of
+from jcxl._src.host_update.sliced import SlicedNode
+from jcxl._src.host_update.sliced import evaluate_slice
 from jcxl._src.pool_array import PoolArray
 from jcxl._src.pool_array import RowBlocks
 from jcxl._src.stream import fetch
@@ -155,7 +155,7 @@ class Interpreter:
 
     def scan_body(c, w, x):
       # A weight copy's slice comes in narrower than the body takes it
-      # (weight_copies): widened, exactly.
+      # (host_update.copies): widened, exactly.
       full = [w[str(p)].astype(body.jaxpr.invars[p].aval.dtype)
               if p in streamed else x[str(p)] for p in xs_positions]
       out = jax_compat.eval_jaxpr(body.jaxpr, body.consts, *consts, *c,

@@ -10,12 +10,11 @@ import dataclasses
 from jcxl import _jcxl
 from jcxl._src.schedules import plan as schedule_lib
 from jcxl._src.schedules import costmodel
+from jcxl._src.host_update import plan as host_update_plan
 from jcxl._src.offload.analysis import Analysis
-from jcxl._src.offload import host_runs
-from jcxl._src.offload import weight_copies
 from jcxl._src.offload.clusters import Cluster
 from jcxl._src.offload.clusters import shard_bytes
-from jcxl._src.offload.program import layer_of
+from jcxl._src.step_ir.program import layer_of
 from jcxl._src.pool_array import PoolArray
 
 
@@ -76,7 +75,8 @@ def record_plan(a: Analysis, schedule: schedule_lib.LayerSchedule,
         tiers=tuple(sorted(entry["tiers"])),
         prefetch=schedule.prefetch_for(name),
         chunk_bytes=schedule.chunk_for(name),
-        update=a.update_paths.get(name, "").split(":")[0],
+        update=(a.update_paths[name].path.value
+                if name in a.update_paths else ""),
         refetch=("kept" if name in a.fetches.kept else "refetched"
                  if name in a.fetches.keep_bytes else ""),
         keep_bytes=a.fetches.keep_bytes.get(name, 0)))
@@ -84,10 +84,7 @@ def record_plan(a: Analysis, schedule: schedule_lib.LayerSchedule,
       a.segments, {l.name: l.prefetch for l in rows}, links,
       {l.name: l.chunk_bytes for l in rows})
   updates = tuple(f"{name}: {why}" for name, why in a.update_paths.items())
-  if a.host_updates:
-    updates += (host_runs.traffic_line(a.host_updates),)
-    copies = weight_copies.line(a.host_updates)
-    updates += (copies,) if copies else ()
+  updates += host_update_plan.lines(a.host_updates)
   return schedule_lib.Plan(tuple(rows), source, prediction.step_s, (),
                            made_for, placement, updates)
 

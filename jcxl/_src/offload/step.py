@@ -29,10 +29,10 @@ from jcxl._src import shardings as shardings_lib
 from jcxl._src.schedules import agreement as agreement_lib
 from jcxl._src.schedules import costmodel
 from jcxl._src.schedules import profile as profile_lib
+from jcxl._src.host_update import ir as host_update_ir
+from jcxl._src.host_update import runtime as host_update_runtime
 from jcxl._src.offload import analysis
 from jcxl._src.offload import compiled as compiled_lib
-from jcxl._src.offload import host_runs
-from jcxl._src.offload import host_update
 from jcxl._src.offload import kept_weights
 from jcxl._src.offload import reports
 from jcxl._src.offload import run_order as run_order_lib
@@ -43,7 +43,7 @@ from jcxl._src.offload.clusters import Refetch
 from jcxl._src.offload.compiled import CompiledStep
 from jcxl._src.schedules.costmodel import device_need
 from jcxl._src.offload.interpreter import Interpreter
-from jcxl._src.offload.program import layer_of
+from jcxl._src.step_ir.program import layer_of
 from jcxl._src.offload.reports import LayerReport
 from jcxl._src.pool import Tier
 from jcxl._src.pool_array import Liveness
@@ -69,12 +69,12 @@ class OffloadedStep:
     self._scheduler = scheduler_lib.for_schedule(schedule, device_budget,
                                                  self._compile_plan)
     self._run_order = run_order
-    self._update = host_update.check_mode(update)
+    self._update = host_update_ir.check_mode(update)
     self._refetch = refetch  # None: chosen per call (see _refetch_of)
     self._kept = kept_weights.KeptWeights(self._update, refetch,
                                           device_budget)
     # The gradients' pool objects and programs of its host updates.
-    self._host_updates = host_runs.HostUpdates()
+    self._host_updates = host_update_runtime.HostUpdates()
     # This step in `run_order`: a token, so the order keeps no dropped
     # step alive.
     self._run_token = object()
@@ -576,7 +576,7 @@ def cxl_offload(fn: Callable | None = None, *,
   budget = (None if device_budget is None else
             parse_bytes(device_budget, name="device_budget"))
   parsed = schedule_lib.parse_schedule(schedule)
-  host_update.check_mode(update)
+  host_update_ir.check_mode(update)
   if refetch is not None and not isinstance(refetch, bool):
     raise TypeError(f"refetch must be True or False (or None: chosen), "
                     f"not {refetch!r}")

@@ -1,4 +1,4 @@
-"""The near-memory optimizer update (``cxl_offload(update='host'|'auto')``).
+"""The pass that finds a step's host updates.
 
 A traced train step updates each pool-resident leaf (a weight, its
 optimizer moments) with elementwise work on its old value, its gradient and
@@ -26,116 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from jcxl._src import update_program as up
-from jcxl._src.offload.program import Lit
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
-from jcxl._src.offload.program import layer_of
-from jcxl._src.offload.regions import Uses
-from jcxl._src.offload.regions import absorb
-from jcxl._src.offload.regions import elementwise_shape
-from jcxl._src.offload.regions import trim
-from jcxl._src.pool import Tier
+from jcxl._src.host_update import lower as lower_lib
+from jcxl._src.host_update.ir import HostUpdateNode
 from jcxl._src.pool_array import PoolArray
+from jcxl._src.step_ir.program import Lit
+from jcxl._src.step_ir.program import Program
+from jcxl._src.step_ir.program import layer_of
+from jcxl._src.step_ir.regions import Uses
+from jcxl._src.step_ir.regions import absorb
+from jcxl._src.step_ir.regions import elementwise_shape
+from jcxl._src.step_ir.regions import trim
 
-UPDATE_MODES = ("device", "host", "auto")
-
-# JAX primitive -> the host program's operation.
-_OPS = {
-    "add": up.UpdateOp.ADD, "sub": up.UpdateOp.SUB, "mul": up.UpdateOp.MUL,
-    "div": up.UpdateOp.DIV, "max": up.UpdateOp.MAX, "min": up.UpdateOp.MIN,
-    "neg": up.UpdateOp.NEG, "abs": up.UpdateOp.ABS, "sign": up.UpdateOp.SIGN,
-    "sqrt": up.UpdateOp.SQRT, "rsqrt": up.UpdateOp.RSQRT,
-    "square": up.UpdateOp.SQUARE, "integer_pow": up.UpdateOp.INTEGER_POW,
-    "select_n": up.UpdateOp.SELECT, "clamp": up.UpdateOp.CLAMP,
-    "eq": up.UpdateOp.EQ, "ne": up.UpdateOp.NE, "lt": up.UpdateOp.LT,
-    "le": up.UpdateOp.LE, "gt": up.UpdateOp.GT, "ge": up.UpdateOp.GE,
-    "and": up.UpdateOp.AND, "or": up.UpdateOp.OR, "not": up.UpdateOp.NOT,
-    "convert_element_type": up.UpdateOp.CONVERT, "copy": up.UpdateOp.COPY,
-    "copy_p": up.UpdateOp.COPY,
-}
-_DTYPES = {"float32": up.UpdateDType.F32, "bfloat16": up.UpdateDType.BF16,
-           "bool": up.UpdateDType.BOOL}
+# The dtypes a host update's state may be in.
 _OBJECT_DTYPES = frozenset({"float32", "bfloat16"})
 
 
-def check_mode(update: str) -> str:
-  if update not in UPDATE_MODES:
-    raise ValueError(
-        f"update must be one of {', '.join(map(repr, UPDATE_MODES))}, "
-        f"not {update!r}")
-  return update
-
-
-@dataclasses.dataclass(eq=False)
-class HostUpdateNode(Node):
-  """One host update: stores `grads` out, then runs `code` on the pool.
-
-  `ins` are the device values it needs (gradients, then scalars); it has
-  no outputs: what it computes is written into the pool in place.
-  """
-  nodes: list[Node] = dataclasses.field(default_factory=list)
-  grads: list[Any] = dataclasses.field(default_factory=list)
-  scalars: list[Any] = dataclasses.field(default_factory=list)
-  reads: dict[Any, PoolArray] = dataclasses.field(default_factory=dict)
-  writes: dict[Any, PoolArray] = dataclasses.field(default_factory=dict)
-  overwritten: list[Any] = dataclasses.field(default_factory=list)
-  layer: str = ""
-  # Filled in by `HostUpdates.bind` once the gradients' objects exist.
-  staging: dict[Any, PoolArray] = dataclasses.field(default_factory=dict)
-  program_id: int = -1
-  # Where its state spans processes: (device id, program) per device of
-  # this process, each over that device's shards.
-  program_ids: tuple[tuple[int, int], ...] = ()
-  pool_id: int = -1
-  position: int = -1  # the program node it goes after (see _insert)
-  region: list[Node] = dataclasses.field(default_factory=list)  # none on
-  # the device: the compute estimate charges this node nothing
-  # bfloat16 copies of the weights it writes (weight_copies.WeightCopy),
-  # which the step fetches in place of the masters.
-  copies: list[Any] = dataclasses.field(default_factory=list)
-
-  @property
-  def elements(self) -> int:
-    """Elements of the shard it updates: a process's only shard where
-    the state spans processes (one device each), else the whole array."""
-    return int(np.prod(next(iter(self.writes.values())).shard_shape))
-
-  def link_bytes(self) -> int:
-    """Bytes that cross the device link: the gradients out."""
-    return sum(_nbytes(k) for k in self.grads)
-
-  def host_bytes(self) -> int:
-    """Bytes the host update reads and writes in the pool."""
-    return (sum(x.nbytes for x in self.reads.values()) +
-            sum(x.nbytes for x in self.writes.values()) +
-            sum(c.copy.nbytes for c in self.copies if c.copy is not None) +
-            self.link_bytes())
-
-  def device_link_bytes(self) -> int:
-    """What the device path would move for this update instead: the old
-    state in, the new state out."""
-    return (sum(x.nbytes for x in self.reads.values()) +
-            sum(x.nbytes for x in self.writes.values()))
-
-
-def _nbytes(key: Any) -> int:
-  aval = key[1].aval
-  return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-  """Where one layer's update runs, and why (a line of ``step.plan``)."""
-  layer: str
-  path: str  # "host" or "device"
-  reason: str
-
-  def __str__(self) -> str:
-    return f"{self.layer}: {self.path} ({self.reason})"
-
-
-def transformation_of(program: Program, node: Node) -> str:
+def transformation_of(program: Program, node: Any) -> str:
   """The optax transformation (or other function) a node was traced in,
   for messages: ``optax.scale_by_trust_ratio``, else ``file:line``. The
   calls it was inlined from are searched too (a jitted helper's equations
@@ -171,8 +77,9 @@ def transformation_of(program: Program, node: Node) -> str:
 def find(program: Program, resident: dict[Any, Any],
          stores: dict[Any, PoolArray], key_paths: dict[Any, str],
          returned: set[Any], update: str
-         ) -> tuple[list[HostUpdateNode], dict[str, str]]:
-  """Finds the updates of a step that can run on the host (see `apply`).
+         ) -> tuple[tuple[HostUpdateNode, ...], dict[str, str]]:
+  """Finds the updates of a step that can run on the host (see `insert`),
+  each lowered once (see lower.lower).
 
   Args:
     returned: the program's outputs the step returns (not pool state).
@@ -188,7 +95,7 @@ def find(program: Program, resident: dict[Any, Any],
   pooled = {k: v for k, v in resident.items() if isinstance(v, PoolArray)}
   old_key = {id(v): k for k, v in pooled.items()}
   if update == "device":
-    return [], {_layer(key_paths, t, old_key): "update='device'"
+    return (), {_layer(key_paths, t, old_key): "update='device'"
                 for t in stores.values()}
   g = Uses(program)
   outputs = set(returned)
@@ -225,7 +132,7 @@ def find(program: Program, resident: dict[Any, Any],
   for members in components:
     node, why = _make_node(program, g, members, pooled, stores, old_key,
                            key_paths, outputs)
-    if node is not None and update == "auto" and _spans_processes(node):
+    if node is not None and update == "auto" and node.spans_processes():
       # Each process measures its own rates: they could choose apart,
       # and compile different steps.
       node, why = None, ("its state spans processes, where 'auto' would "
@@ -261,17 +168,7 @@ def find(program: Program, resident: dict[Any, Any],
           f"{key_paths.get(old_key.get(id(target)), target.path)} on the "
           f"host: {why}. Use update='auto' (such layers are updated on "
           "the device) or update='device'")
-  return nodes, device_reasons
-
-
-def apply(program: Program, stores: dict[Any, PoolArray],
-          nodes: list[HostUpdateNode]) -> None:
-  """Puts the chosen host updates into `program`, each in place of its
-  equations, and takes their stores out of `stores`."""
-  _insert(program, nodes)
-  for node in nodes:
-    for key in node.writes:
-      del stores[key]
+  return tuple(nodes), device_reasons
 
 
 def _layer(key_paths, target, old_key) -> str:
@@ -365,11 +262,6 @@ def _components(program: Program, g: Uses, region: set[int],
   return sorted(groups.values(), key=min)
 
 
-def _spans_processes(node: HostUpdateNode) -> bool:
-  devices = next(iter(node.writes.values())).sharding.device_set
-  return len({d.process_index for d in devices}) > 1
-
-
 def _make_node(program: Program, g: Uses, members: set[int],
                pooled: dict[Any, PoolArray], stores: dict[Any, PoolArray],
                old_key: dict[int, Any], key_paths: dict[Any, str],
@@ -382,15 +274,15 @@ def _make_node(program: Program, g: Uses, members: set[int],
   for n in sorted(members):
     eqn = program.nodes[n].eqn
     name = eqn.primitive.name
-    if name != "broadcast_in_dim" and name not in _OPS:
-      return None, (f"its update computes {name} (in "
-                    f"{transformation_of(program, program.nodes[n])}), which the host update "
-                    "does not run")
+    where = lambda n=n: transformation_of(program, program.nodes[n])
+    if name != "broadcast_in_dim" and name not in lower_lib.OPS:
+      return None, (f"its update computes {name} (in {where()}), which "
+                    "the host update does not run")
     for v in list(eqn.invars) + list(eqn.outvars):
-      if str(np.dtype(v.aval.dtype)) not in _DTYPES:
+      if str(np.dtype(v.aval.dtype)) not in lower_lib.DTYPES:
         return None, (f"its update computes in {v.aval.dtype} (in "
-                      f"{transformation_of(program, program.nodes[n])}); the host update runs "
-                      "float32, bfloat16 and bool")
+                      f"{where()}); the host update runs float32, bfloat16 "
+                      "and bool")
     if name == "select_n" and len(eqn.invars) != 3:
       return None, "its update selects among more than two values"
   produced = {k for n in members for k in program.nodes[n].outs}
@@ -444,7 +336,8 @@ def _make_node(program: Program, g: Uses, members: set[int],
     if tuple(t.object_shard_shape) != tuple(t.shard_shape):
       return None, "its state is a view of a larger pool object"
     if str(t.dtype) not in _OBJECT_DTYPES:
-      return None, f"its state is {t.dtype} (host updates run float32, bfloat16)"
+      return None, (f"its state is {t.dtype} (host updates run float32, "
+                    "bfloat16)")
   if len(pools) != 1:
     return None, "its state spans pools"
   elements = targets[0].size
@@ -468,23 +361,18 @@ def _make_node(program: Program, g: Uses, members: set[int],
   any_write = next(iter(writes.values()))
   layer = _layer(key_paths, any_write, old_key)
   node = HostUpdateNode(
-      eqn=None, ins=grads + scalars, outs=[],
-      nodes=[program.nodes[n] for n in sorted(members)], grads=grads,
-      scalars=scalars, reads=reads, writes=writes,
-      overwritten=sorted(set(overwritten) | set(reads), key=str),
+      ins=tuple(grads + scalars),
+      nodes=tuple(program.nodes[n] for n in sorted(members)),
+      grads=tuple(grads), scalars=tuple(scalars), reads=reads, writes=writes,
+      overwritten=tuple(sorted(set(overwritten) | set(reads), key=str)),
       layer=layer, pool_id=pools.pop(), position=last)
-  try:  # with stand-ins for the gradients' objects, made later
-    stand_in = compile_program(node, program, {k: -1 for k in grads})
-    # What the pool would refuse to register (too many registers, ...),
-    # refused here: 'auto' then keeps the update on the device.
-    dataclasses.replace(stand_in, outputs=[
-        up.Output(reg=o.reg, handle=j)
-        for j, o in enumerate(stand_in.outputs)]).validate()
-  except _NotOnHost as e:
+  try:  # lowered once, with stand-ins for the objects made later
+    lowered = lower_lib.lower(node, program)
+  except lower_lib.NotOnHost as e:
     return None, str(e)
   except ValueError as e:
     return None, f"the host cannot run its program ({e})"
-  return node, ""
+  return dataclasses.replace(node, lowered=lowered), ""
 
 
 def _where(program: Program, g: Uses, key: Any) -> str:
@@ -493,9 +381,10 @@ def _where(program: Program, g: Uses, key: Any) -> str:
           transformation_of(program, program.nodes[n]))
 
 
-def _insert(program: Program, nodes: list[HostUpdateNode]) -> None:
-  """Replaces each update's equations by the update, at the place of the
-  last of them (or of the last device read of the state it overwrites)."""
+def insert(program: Program, nodes: tuple[HostUpdateNode, ...]) -> None:
+  """Replaces each update's equations in `program` by the update, at the
+  place of the last of them (or of the last device read of the state it
+  overwrites)."""
   at = collections.defaultdict(list)
   removed = set()
   index = {id(n): i for i, n in enumerate(program.nodes)}
@@ -508,130 +397,3 @@ def _insert(program: Program, nodes: list[HostUpdateNode]) -> None:
       out.append(n)
     out.extend(at.get(i, ()))
   program.nodes = out
-
-
-class _NotOnHost(ValueError):
-  pass
-
-
-def compile_program(node: HostUpdateNode, program: Program,
-                    grad_handles: dict[Any, int],
-                    copy_handles: dict[Any, int] | None = None,
-                    device: int | None = None) -> up.Program:
-  """The node's equations as a host program over its objects, the
-  gradients read from the objects `grad_handles` names, and the new
-  weights also written into the copies `copy_handles` names (by master
-  key; see weight_copies); over device `device`'s shards (by id), or
-  this process's first."""
-  inputs: list[up.Input] = []
-  reg: dict[Any, int] = {}
-  scalar_regs: set[int] = set()
-
-  def handle(x: PoolArray) -> int:
-    return dict(x.local_handles)[device] if device is not None else (
-        x.local_handles[0][1])
-
-  for key, x in node.reads.items():
-    reg[key] = len(inputs)
-    inputs.append(up.Input.object(handle(x)))
-  for key in node.grads:
-    reg[key] = len(inputs)
-    inputs.append(up.Input.object(grad_handles[key]))
-  for j, key in enumerate(node.scalars):
-    reg[key] = len(inputs)
-    scalar_regs.add(len(inputs))
-    inputs.append(up.Input.scalar(j))
-  constants: dict[float, int] = {}
-
-  def operand(atom: Any) -> int:
-    key = program.resolve(atom)
-    if isinstance(key, Lit) or key in program.consts:
-      value = key.value if isinstance(key, Lit) else program.consts[key]
-      value = float(np.asarray(value, np.float32))
-      if value not in constants:
-        constants[value] = len(inputs)
-        scalar_regs.add(len(inputs))
-        inputs.append(up.Input.const(value))
-      return constants[value]
-    return reg[key]
-
-  # Constants are inputs too: collect them before the code is numbered.
-  for n in node.nodes:
-    for atom in n.ins:
-      key = program.resolve(atom)
-      if isinstance(key, Lit) or key in program.consts:
-        operand(atom)
-  code: list[up.Instr] = []
-  for n in node.nodes:
-    eqn = n.eqn
-    name = eqn.primitive.name
-    args = [operand(a) for a in n.ins]
-    out_key = n.outs[0]
-    dtype = _DTYPES[str(np.dtype(eqn.outvars[0].aval.dtype))]
-    in_dtype = str(np.dtype(eqn.invars[0].aval.dtype))
-    if name == "broadcast_in_dim" or name in ("copy", "copy_p") or (
-        name == "convert_element_type" and
-        in_dtype == str(np.dtype(eqn.outvars[0].aval.dtype))):
-      reg[out_key] = args[0]  # the same value: no instruction
-      continue
-    a, b, c = (args + [-1, -1, -1])[:3]
-    op = _OPS[name]
-    code.append(up.Instr(op=op, a=a, b=b, c=c, dtype=dtype,
-                         imm=int(eqn.params.get("y", 0))
-                         if name == "integer_pow" else 0))
-    reg[out_key] = len(inputs) + len(code) - 1
-    if all(r in scalar_regs for r in (a, b, c) if r >= 0):
-      scalar_regs.add(reg[out_key])
-  outs = []
-  for key, target in node.writes.items():
-    r = reg[key]
-    if r in scalar_regs:
-      raise _NotOnHost("its new value does not depend on its old value or "
-                       "gradient (a constant)")
-    outs.append(up.Output(reg=r, handle=handle(target)))
-  for c in node.copies:
-    outs.append(up.Output(reg=reg[c.new_value],
-                          handle=(copy_handles or {})[c.source]))
-  code = _contract(code, len(inputs), [o.reg for o in outs])
-  platform = next(iter(
-      next(iter(node.writes.values())).sharding.device_set)).platform
-  return up.Program(num_elements=node.elements,
-                    num_scalars=len(node.scalars), inputs=inputs, code=code,
-                    outputs=outs,
-                    # As the device computes the same work: XLA:CPU
-                    # flushes subnormals to zero, XLA:GPU does not.
-                    flush_denormals=platform == "cpu")
-
-
-def _contract(code: list[up.Instr], first: int, outputs: list[int]
-              ) -> list[up.Instr]:
-  """Fuses a float32 product used once into the sum or difference that
-  uses it (one rounding, not two), as LLVM contracts XLA's fused loops on
-  CPUs and GPUs with FMA: `p + lr * u` is an FMA there, and must be here
-  for the same bits. The product stays, unused (the executor skips it)."""
-  uses = collections.Counter(outputs)
-  for instr in code:
-    uses.update(r for r in (instr.a, instr.b, instr.c) if r >= 0)
-
-  def product(r):
-    k = r - first
-    if 0 <= k < len(code) and uses[r] == 1:
-      m = code[k]
-      if m.op == up.UpdateOp.MUL and m.dtype == up.UpdateDType.F32:
-        return m
-    return None
-
-  out = list(code)
-  for k, instr in enumerate(code):
-    if instr.dtype != up.UpdateDType.F32 or instr.op not in (
-        up.UpdateOp.ADD, up.UpdateOp.SUB):
-      continue
-    left, right = product(instr.a), product(instr.b)
-    if left is not None:  # a * b + c, a * b - c
-      op = up.UpdateOp.FMA if instr.op == up.UpdateOp.ADD else up.UpdateOp.FMS
-      out[k] = up.Instr(op=op, a=left.a, b=left.b, c=instr.b)
-    elif right is not None:  # c + a * b, c - a * b
-      op = (up.UpdateOp.FMA if instr.op == up.UpdateOp.ADD else
-            up.UpdateOp.FNMA)
-      out[k] = up.Instr(op=op, a=right.a, b=right.b, c=instr.a)
-  return out

@@ -22,14 +22,14 @@ import numpy as np
 
 from jcxl._src import jax_compat
 from jcxl._src.pool_array import PoolArray
-from jcxl._src.offload.program import Lit
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
-from jcxl._src.offload.regions import Uses
-from jcxl._src.offload.regions import absorb
-from jcxl._src.offload.regions import elementwise_shape
-from jcxl._src.offload.regions import full_shape
-from jcxl._src.offload.regions import trim
+from jcxl._src.step_ir.program import Lit
+from jcxl._src.step_ir.program import Node
+from jcxl._src.step_ir.program import Program
+from jcxl._src.step_ir.regions import Uses
+from jcxl._src.step_ir.regions import absorb
+from jcxl._src.step_ir.regions import elementwise_shape
+from jcxl._src.step_ir.regions import full_shape
+from jcxl._src.step_ir.regions import trim
 
 ROW_BLOCK_BYTES = 4 << 20  # a block of a table's rows, per shard
 ROW_SLICE_MIN_BLOCKS = 4   # smaller tables are updated whole

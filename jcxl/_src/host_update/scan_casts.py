@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jcxl._src import jax_compat
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
+from jcxl._src.step_ir.program import Node
+from jcxl._src.step_ir.program import Program
 
 
 def _widens(src: Any, dst: Any) -> bool:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-from jcxl._src.offload.program import Lit
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
+from jcxl._src.step_ir.program import Lit
+from jcxl._src.step_ir.program import Node
+from jcxl._src.step_ir.program import Program
 
 ELEMENTWISE = frozenset({
     "abs", "add", "and", "clamp", "convert_element_type", "copy", "copy_p",

@@ -23,33 +23,22 @@ the next read of the copy convert the master anew.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jcxl._src import jax_compat
-from jcxl._src.offload.program import Node
-from jcxl._src.offload.program import Program
-from jcxl._src.offload.regions import Uses
+from jcxl._src.host_update.ir import HostUpdateNode
+from jcxl._src.host_update.ir import WeightCopy
 from jcxl._src.pool_array import PoolArray
+from jcxl._src.step_ir.program import Node
+from jcxl._src.step_ir.program import Program
+from jcxl._src.step_ir.regions import Uses
 from jcxl._src.units import format_bytes
 
 # The dtypes a copy may be in (the pool's update programs write these).
 _COPY_DTYPES = frozenset({"bfloat16"})
-
-
-@dataclasses.dataclass(eq=False)
-class WeightCopy:
-  """A weight the step reads only through casts to one dtype (its own, or
-  in a loop's body), and the copy that stands in for them."""
-  source: Any       # the master weight's key (a step argument)
-  new_value: Any    # the key of its new value, which the host update writes
-  key: Any          # the copy's key in the program
-  dtype: np.dtype
-  casts: list[Node]
-  scans: list[tuple[Node, int]]  # loops streaming it, and where
-  target: PoolArray  # the master's object
-  copy: PoolArray | None = None  # made by `HostUpdates.bind`
 
 
 def _cast_dtype(node: Node) -> str | None:
@@ -96,9 +85,10 @@ def _uses(program: Program, node: Node, source: Any
   return dtypes, positions
 
 
-def find(program: Program, nodes: list[Any], resident: dict[Any, Any],
-         returned: set[Any]) -> None:
-  """Gives each host update (`nodes`, already in `program`) its
+def find(program: Program, nodes: tuple[HostUpdateNode, ...],
+         resident: dict[Any, Any], returned: set[Any]
+         ) -> tuple[HostUpdateNode, ...]:
+  """The host updates (`nodes`, already in `program`), each with its
   candidate copies (``node.copies``): the float32 weights it writes whose
   every other use in the step is one cast to a copy dtype (`returned`:
   the values the step returns, which must stay as they are)."""
@@ -106,8 +96,9 @@ def find(program: Program, nodes: list[Any], resident: dict[Any, Any],
   outputs = returned
   source_of = {id(v): k for k, v in resident.items()
                if isinstance(v, PoolArray)}
+  found = []
   for node in nodes:
-    node.copies = []
+    copies = []
     for new_value, target in node.writes.items():
       source = source_of.get(id(target))
       uses = [program.nodes[n] for n in sorted(consumers.get(source, ()))]
@@ -124,33 +115,40 @@ def find(program: Program, nodes: list[Any], resident: dict[Any, Any],
           not dtypes <= _COPY_DTYPES or
           any(o in outputs for n in casts for o in n.outs)):
         continue
-      node.copies.append(WeightCopy(
+      copies.append(WeightCopy(
           source=source, new_value=new_value, key=("copy", source),
-          dtype=np.dtype(dtypes.pop()), casts=casts, scans=scans,
-          target=target))
+          dtype=np.dtype(dtypes.pop()), casts=tuple(casts),
+          scans=tuple(scans), target=target))
+    found.append(dataclasses.replace(node, copies=tuple(copies)))
+  return tuple(found)
 
 
-def apply(program: Program, nodes: list[Any], resident: dict[Any, Any],
-          values: dict[Any, Any], key_paths: dict[Any, str]) -> None:
+def apply(program: Program, nodes: tuple[HostUpdateNode, ...]
+          ) -> tuple[HostUpdateNode, ...]:
   """Puts the copies the host updates were given objects for into
   `program`: each cast of a master becomes a read of its copy, a
-  pool-resident value the step fetches (and the host update writes)."""
+  pool-resident value the step fetches (and the host update writes).
+
+  Returns:
+    The host updates, each overwriting its copies too: their reads must
+    be done before its run.
+  """
   removed = set()
+  out = []
   for node in nodes:
     for c in node.copies:
-      resident[c.key] = values[c.key] = c.copy
-      key_paths[c.key] = key_paths[c.source]
       for cast in c.casts:
         program.alias[cast.outs[0]] = c.key
         removed.add(id(cast))
       for scan, position in c.scans:  # widened in the loop (Interpreter)
         scan.ins[position] = c.key
-      # Its reads must be done before the run overwrites it.
-      node.overwritten.append(c.key)
+    out.append(dataclasses.replace(node, overwritten=node.overwritten + tuple(
+        c.key for c in node.copies)))
   program.nodes = [n for n in program.nodes if id(n) not in removed]
+  return tuple(out)
 
 
-def line(nodes: list[Any]) -> str | None:
+def line(nodes: Sequence[HostUpdateNode]) -> str | None:
   """What the copies save, for the plan (None: there are none)."""
   copies = [c for n in nodes for c in n.copies]
   if not copies:
