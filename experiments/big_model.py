@@ -40,12 +40,14 @@ The lower bound of a step is max(compute alone, disk bytes read / dd's
 read rate + bytes written / dd's write rate). ``dd`` reads and writes a
 file in ``--nvme_dir`` with O_DIRECT and the pool's request size before
 and after training (the faster of the two is the reference). Compute
-alone is the same train step under plain ``jax.jit`` with its state
-resident, timed in a child process (its memory is not this one's) at 1
-and 3 blocks of the run's width and extrapolated linearly to the run's
-blocks: at full size the resident state does not fit in memory, and the
-streamed step's own compute (the profile's) includes its copies' CPU
-time on this machine's shared cores. The run reports the median and worst
+alone is the step's device work under plain ``jax.jit`` with its state
+resident (with ``update='host'`` the forward and backward pass: the
+optimizer runs on the host beside it, its time reported apart), timed in
+a child process (its memory is not this one's) at 1 and 3 blocks of the
+run's width and extrapolated linearly to the run's blocks: at full size
+the resident state does not fit in memory, and the streamed step's own
+compute (the profile's) includes its copies' CPU time on this machine's
+shared cores. The run reports the median and worst
 step / bound over the last 10 steps, peak RSS against 0.3x physical
 memory, and whether anything was swapped (SwapTotal, VmSwap sampled).
 
@@ -475,20 +477,29 @@ def _io_bytes() -> tuple[int, int]:
 
 
 def measure_compute(payload: dict[str, Any]) -> dict[str, float]:
-  """Seconds of one resident ``jax.jit`` train step (the run's model,
-  optimizer and batch shape) per number of blocks in ``payload['blocks']``:
-  the fastest of 5 steps after one that compiles (a lower bound, so the
-  least disturbed by whatever else the machine runs). Runs in a child
-  process: see `compute_alone`."""
+  """Seconds of the run's device compute with its state resident, per
+  number of blocks in ``payload['blocks']``: the fastest of 5 steps after
+  one that compiles (a lower bound, so the least disturbed by whatever
+  else the machine runs). With ``update='host'`` that is the forward and
+  backward pass (``jax.value_and_grad`` of the loss): the optimizer runs on
+  the host beside the step, and its time is reported apart; with
+  ``update='device'`` the whole train step. Runs in a child process: see
+  `compute_alone`."""
   config = Config(**payload["config"])
   tx = optimizer(config)
   out = {}
   for n_layer in payload["blocks"]:
     model = config.model(n_layer)
-    params = model_common.init_params(model, seed=config.seed)
-    opt_state = tx.init(params)
-    step = jax.jit(common.make_train_step(gpt2.make_loss(model), tx),
-                   donate_argnums=(0, 1))
+    loss_fn = gpt2.make_loss(model)
+    state = [model_common.init_params(model, seed=config.seed)]
+    if config.update == "device":
+      state.append(tx.init(state[0]))
+      train_step = jax.jit(common.make_train_step(loss_fn, tx),
+                           donate_argnums=(0, 1))
+      step = lambda batch: train_step(*state, batch)
+    else:
+      grad_step = jax.jit(jax.value_and_grad(loss_fn))
+      step = lambda batch: grad_step(state[0], batch)
     rng = np.random.default_rng(config.seed)
     tokens = lambda: jnp.asarray(rng.integers(
         0, _VOCAB, (config.batch, config.seq_len), dtype=np.int32))
@@ -496,17 +507,20 @@ def measure_compute(payload: dict[str, Any]) -> dict[str, float]:
     for i in range(6):
       batch = {"x": tokens(), "y": tokens()}
       t0 = time.perf_counter()
-      params, opt_state, loss = step(params, opt_state, batch)
-      jax.block_until_ready(loss)
+      results = jax.block_until_ready(step(batch))
       if i:
         times.append(time.perf_counter() - t0)
+      if config.update == "device":
+        state[:] = results[:2]
+      del results
     out[str(n_layer)] = min(times)
-    del params, opt_state
+    del state
   return out
 
 
 def compute_alone(config: Config, n_layer: int) -> dict[str, Any]:
-  """The step's compute with nothing offloaded, at `n_layer` blocks.
+  """The step's device compute with nothing offloaded, at `n_layer`
+  blocks (see `measure_compute`).
 
   The resident step of the full model does not fit in memory, so a child
   process (whose memory is not this one's, and is gone after) times it at
