@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import json
 import os
 import re
@@ -372,6 +373,25 @@ def _is_method(stmt: str) -> bool:
       if head.split() else False
 
 
+def _without_docstrings(text: str) -> str:
+  """Python source with its docstrings blanked: an example in one names an
+  operation without being a place that adding one edits."""
+  try:
+    tree = ast.parse(text)
+  except SyntaxError:
+    return text
+  lines = text.splitlines(keepends=True)
+  for node in ast.walk(tree):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)):
+      doc = body[0]
+      for k in range(doc.lineno - 1, doc.end_lineno):
+        lines[k] = "\n"
+  return "".join(lines)
+
+
 def update_op_files() -> dict:
   """For each host-update operation (the table in ffi/update_ops.h), the
   files that name it: its C++ enumerator (kAdd) in ffi/ and elsewhere, its
@@ -392,7 +412,10 @@ def update_op_files() -> dict:
   texts = {}
   for path in files:
     with open(path, encoding="utf-8", errors="replace") as f:
-      texts[os.path.relpath(path, ROOT)] = f.read()
+      text = f.read()
+    if path.endswith(".py"):
+      text = _without_docstrings(text)
+    texts[os.path.relpath(path, ROOT)] = text
   per_op = {}
   for enumerator, value in values.items():
     member = members.get(value)
@@ -411,10 +434,16 @@ def update_op_files() -> dict:
         named.append(rel)
     per_op[enumerator] = named
   worst = max(per_op, key=lambda k: len(per_op[k]))
+  is_test = lambda f: re.search(r"(^|/)tests?/|_test\.", f)
+  # A file naming most of the ops is a list of them: adding an op edits
+  # it. A file naming a few uses those ops (FMA contraction, the casts of
+  # weight copies) and is untouched by a new one.
+  counts = collections.Counter(f for named in per_op.values() for f in named)
+  lists = sorted(f for f, n in counts.items() if 2 * n >= len(per_op))
   return {"op": worst, "files": per_op[worst],
-          "outside_tests": [f for f in per_op[worst]
-                            if not re.search(r"(^|/)tests?/|_test\.",
-                                             f)]}
+          "outside_tests": [f for f in per_op[worst] if not is_test(f)],
+          "lists": [f for f in lists if not is_test(f)],
+          "test_lists": [f for f in lists if is_test(f)]}
 
 
 # Flag names that mean the same thing (a plural is the same concept: a
@@ -528,6 +557,10 @@ def table(m: dict) -> str:
       ("largest C++ class by public methods",
        "{name} ({file}): {methods}".format(
            **m["largest_public_class"]["cc"])),
+      ("files listing the host-update operations (a new one edits)",
+       f"{len(m['update_op_files']['lists'])}: "
+       + ", ".join(m["update_op_files"]["lists"])
+       + f" (and tests: {', '.join(m['update_op_files']['test_lists'])})"),
       ("files naming one host-update operation",
        f"{len(m['update_op_files']['files'])} "
        f"({len(m['update_op_files']['outside_tests'])} outside tests), "

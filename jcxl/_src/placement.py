@@ -20,6 +20,7 @@ import numpy as np
 
 from jcxl._src import dispatched
 from jcxl._src import distributed
+from jcxl._src import pool_array as pool_array_lib
 from jcxl._src import registry
 from jcxl._src import topology as topology_lib
 from jcxl._src import validation
@@ -295,6 +296,9 @@ def gather_one(array: PoolArray) -> jax.Array:
       shards.append(jax.device_put(pool.get(by_device[device.id]), device))
   return jax.make_array_from_single_device_arrays(array.shape, array.sharding,
                                                   shards)
+
+
+pool_array_lib.readers.gather = gather_one  # see PoolArray.__jax_array__
 
 
 def gather(tree: Any) -> Any:

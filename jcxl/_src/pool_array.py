@@ -13,9 +13,10 @@ at trace time, naming the leaf.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 import contextlib
 import copy
+import dataclasses
 import threading
 from typing import Any
 
@@ -46,6 +47,19 @@ def closed_over_refused() -> Iterator[None]:
     yield
   finally:
     _in_offloaded_trace.on = before
+
+
+@dataclasses.dataclass
+class _Readers:
+  """How a PoolArray read as an array gets its values: `fetch` (jcxl.fetch,
+  inside a traced function) and `gather` (outside one). stream.py and
+  placement.py set them when imported; they import this module, so it
+  cannot import them back."""
+  fetch: Callable[["PoolArray"], jax.Array] | None = None
+  gather: Callable[["PoolArray"], jax.Array] | None = None
+
+
+readers = _Readers()
 
 
 def device_grid(sharding: jax.sharding.Sharding
@@ -183,9 +197,6 @@ class PoolArray:
   # -------------------------------------------------------- array-like
 
   def __jax_array__(self) -> jax.Array:
-    # Imported here: stream.py and placement.py import this module.
-    from jcxl._src import placement  # pylint: disable=g-import-not-at-top
-    from jcxl._src import stream  # pylint: disable=g-import-not-at-top
     if getattr(_in_offloaded_trace, "on", False):
       raise TypeError(
           f"{self._what()} was used as an array inside a jcxl.cxl_offload "
@@ -194,8 +205,8 @@ class PoolArray:
     if isinstance(self.handles, jax.core.Tracer) or jax_compat.tracing():
       # In a traced function (an eval helper under jax.jit): fetched where
       # the function reads it, not baked in as a constant of today's value.
-      return stream.fetch(self)
-    return placement.gather_one(self)
+      return readers.fetch(self)
+    return readers.gather(self)
 
   def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
     del copy  # a new array either way
@@ -277,10 +288,11 @@ class PoolArray:
             f"{format_bytes(shard_bytes)}{path})")
 
 
-_BINARY = ("add", "subtract", "multiply", "true_divide", "floor_divide",
-           "mod", "power", "matmul")
-_DUNDER = {"true_divide": "truediv", "floor_divide": "floordiv",
-           "subtract": "sub", "multiply": "mul", "power": "pow"}
+# Python's operator -> the jax.numpy function it applies.
+_BINARY = {"__add__": jnp.add, "__sub__": jnp.subtract,
+           "__mul__": jnp.multiply, "__truediv__": jnp.true_divide,
+           "__floordiv__": jnp.floor_divide, "__mod__": jnp.mod,
+           "__pow__": jnp.power, "__matmul__": jnp.matmul}
 
 
 def _binary(fn: Any, reflected: bool) -> Any:
@@ -291,10 +303,9 @@ def _binary(fn: Any, reflected: bool) -> Any:
 
 # Operators read the values as jnp.asarray does (`w * 2`, `x @ w`);
 # comparisons and hashing stay object identity (PoolArrays are dict keys).
-for _name in _BINARY:
-  _dunder = _DUNDER.get(_name, _name)
-  setattr(PoolArray, f"__{_dunder}__", _binary(getattr(jnp, _name), False))
-  setattr(PoolArray, f"__r{_dunder}__", _binary(getattr(jnp, _name), True))
+for _dunder, _fn in _BINARY.items():
+  setattr(PoolArray, _dunder, _binary(_fn, False))
+  setattr(PoolArray, "__r" + _dunder[2:], _binary(_fn, True))
 # The jax.Array methods tree utilities call (optax.tree_utils, metrics).
 _METHODS = ("astype", "conj", "max", "mean", "min", "ravel", "reshape",
             "squeeze", "sum", "transpose", "item")

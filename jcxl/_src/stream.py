@@ -309,6 +309,9 @@ def fetch(x: PoolArray, index: Any = None, *, after: Any = None,
                     priority, chunk_bytes)
 
 
+pool_array_lib.readers.fetch = fetch  # see PoolArray.__jax_array__
+
+
 def _store_start_call(handle, index, value, after, *, pool_id, stacked,
                       block_rows, priority, chunk_bytes, device_attrs):
   return jax.ffi.ffi_call(

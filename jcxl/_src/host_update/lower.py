@@ -24,20 +24,9 @@ from jcxl._src.pool_array import PoolArray
 from jcxl._src.step_ir.program import Lit
 from jcxl._src.step_ir.program import Program
 
-# JAX primitive -> the host program's operation.
-OPS = {
-    "add": up.UpdateOp.ADD, "sub": up.UpdateOp.SUB, "mul": up.UpdateOp.MUL,
-    "div": up.UpdateOp.DIV, "max": up.UpdateOp.MAX, "min": up.UpdateOp.MIN,
-    "neg": up.UpdateOp.NEG, "abs": up.UpdateOp.ABS, "sign": up.UpdateOp.SIGN,
-    "sqrt": up.UpdateOp.SQRT, "rsqrt": up.UpdateOp.RSQRT,
-    "square": up.UpdateOp.SQUARE, "integer_pow": up.UpdateOp.INTEGER_POW,
-    "select_n": up.UpdateOp.SELECT, "clamp": up.UpdateOp.CLAMP,
-    "eq": up.UpdateOp.EQ, "ne": up.UpdateOp.NE, "lt": up.UpdateOp.LT,
-    "le": up.UpdateOp.LE, "gt": up.UpdateOp.GT, "ge": up.UpdateOp.GE,
-    "and": up.UpdateOp.AND, "or": up.UpdateOp.OR, "not": up.UpdateOp.NOT,
-    "convert_element_type": up.UpdateOp.CONVERT, "copy": up.UpdateOp.COPY,
-    "copy_p": up.UpdateOp.COPY,
-}
+# JAX primitive -> the host program's operation: the C++ core's table's
+# (ffi/update_ops.h), and jax's copy_p (its primitive is named so) as copy.
+OPS = {**up.PRIMITIVE_OPS, "copy_p": up.UpdateOp.COPY}
 DTYPES = {"float32": up.UpdateDType.F32, "bfloat16": up.UpdateDType.BF16,
           "bool": up.UpdateDType.BOOL}
 

@@ -67,9 +67,11 @@ def _typical_seconds(fn, *args, reps: int = 5, once_over: float = 0.1
   measurement: a fresh process's first run of a small product took 116 ms
   here, 150 times its usual time. The arguments are put on the device
   first: passed as numpy arrays, each run copied them in, and an
-  elementwise loop timed 10x slower here."""
+  elementwise loop timed 10x slower here. Arguments that are not numpy
+  arrays (pool arrays, arrays already on a device) are passed as they are."""
   with jax.ensure_compile_time_eval():  # concrete, even inside a trace
-    args = jax.device_put(args)
+    args = tuple(jax.device_put(a) if isinstance(a, np.ndarray) else a
+                 for a in args)
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):

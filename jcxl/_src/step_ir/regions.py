@@ -12,15 +12,15 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
+from jcxl._src import update_program as up
 from jcxl._src.step_ir.program import Lit
 from jcxl._src.step_ir.program import Node
 from jcxl._src.step_ir.program import Program
 
-ELEMENTWISE = frozenset({
-    "abs", "add", "and", "clamp", "convert_element_type", "copy", "copy_p",
-    "div", "eq", "erf", "exp", "expm1", "ge", "gt", "integer_pow", "le",
-    "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
-    "not", "or", "pow", "rsqrt", "select_n", "sign", "sqrt", "square", "sub",
+# Every op the host update runs (the C++ core's table, ffi/update_ops.h),
+# and the elementwise primitives only XLA computes (the sliced update's).
+ELEMENTWISE = frozenset(up.PRIMITIVE_OPS) | frozenset({
+    "copy_p", "erf", "exp", "expm1", "log", "log1p", "logistic", "pow",
     "tanh", "broadcast_in_dim"})
 
 
