@@ -42,19 +42,13 @@ from jcxl._src.pool_array import RowBlocks
 from jcxl._src.stream import fetch
 from jcxl._src.stream import fetch_done
 from jcxl._src.stream import fetch_start
+from jcxl._src.stream import read_mark
 from jcxl._src.stream import store
 from jcxl._src.stream import store_done
 from jcxl._src.stream import store_start
 from jcxl._src.stream import streamed_scan
 from jcxl._src.stream import update_done
 from jcxl._src.stream import update_start
-
-
-def _mark(value: jax.Array) -> jax.Array:
-  """A scalar that exists once `value` does (a cheap dependency on it)."""
-  if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-    value = jax.random.key_data(value)
-  return value.reshape(-1)[0] if value.size else jax.numpy.zeros(())
 
 
 # ------------------------------------------------------------ interpreter
@@ -124,7 +118,7 @@ class Interpreter:
         # XLA cannot hoist the wait onto another thread ahead of time.
         self.fetched[id(c)] = fetch_done(pending, after=self.last)
         if id(c) in self.marked:  # a store must wait for this read
-          self.marks[id(c)] = _mark(self.fetched[id(c)])
+          self.marks[id(c)] = read_mark(self.fetched[id(c)])
       else:
         sharding = target.sharding.with_memory_kind("device")
         self.fetched[id(c)] = jax.device_put(self.env[key], sharding)
@@ -195,7 +189,8 @@ class Interpreter:
                               rows=rows or loop.rows)
       tokens = [store(target, values[key], index)
                 for key, target in targets.items()]
-      return sum((_mark(t) for t in tokens), jax.numpy.int32(0))
+      # Store tokens are a few bytes: a scalar from each is dependency enough.
+      return sum((t.reshape(-1)[0] for t in tokens), jax.numpy.int32(0))
 
     weights = {str(j): self.env[k] for j, k in enumerate(loop.pool_keys)}
     if loop.rows:

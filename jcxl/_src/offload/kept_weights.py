@@ -89,8 +89,8 @@ class KeptWeights:
     shrunk = len(fitting.needs) > 1
     if len(fitting.needs) > MAX_SHRINKS or (
         shrunk and need >= fitting.needs[-2]):
-      # Out of tries, or keeping fewer did not lower the need (XLA:CPU's
-      # step needs no less with its weights refetched): refetch them all.
+      # Out of tries, or keeping fewer did not lower the need: refetch
+      # them all.
       kept = []
     # Dropped farthest from the loss first, until their bytes cover the
     # overage (at least one: each holds some).
