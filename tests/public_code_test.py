@@ -313,16 +313,15 @@ EXAMPLES = {
 }
 
 
-def run(example, step):
-  """`example`'s 20 steps under `step`, from the example's start: the
-  final state and every step's other results."""
-  make_state, _ = EXAMPLES[example]
-  state, data = make_state()
+def run_steps(state, data, train_step, step):
+  """`train_step` (one of the examples') run by `step` (it, jitted or
+  offloaded) over `data` from `state`: the final state and every step's
+  other results."""
   rng = jax.random.PRNGKey(2)  # run_mlm_flax's, passed beside the state
   results = []
   for batch in data:
     given = dict(batch)
-    if example == "run_mlm_flax":
+    if train_step is mlm_train_step:
       state, metrics, rng = step(state, given, rng)
       results.append((metrics, rng))
     else:
@@ -330,6 +329,12 @@ def run(example, step):
       results.append(metrics)
     assert sorted(given) == sorted(batch)  # the caller's dict, untouched
   return state, results
+
+
+def run(example, step):
+  """`example`'s 20 steps under `step`, from the example's start."""
+  make_state, train_step = EXAMPLES[example]
+  return run_steps(*make_state(), train_step, step)
 
 
 _references = {}
