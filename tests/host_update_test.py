@@ -136,8 +136,13 @@ class EqualityTest:
     step, losses, p, s = run(pool, params, loss_fn, OPTIMIZERS[name](), data,
                              "host")
     np.testing.assert_allclose(losses, dev_losses, rtol=1e-6)
-    assert_close(p, dev_p)
-    assert_close(s, dev_s)
+    # clip_by_global_norm's norm sums every gradient, in another order on
+    # the host than in XLA's reduction (whose split depends on the CPU
+    # backend): a few parts in 1e7 of the clip's scale, which adam
+    # amplifies for an element of small second moment (1.07e-6 seen).
+    rtol = 2e-6 if name.startswith("clip") else 1e-6
+    assert_close(p, dev_p, rtol)
+    assert_close(s, dev_s, rtol)
     if name in BIT_EXACT and not scan:  # XLA's operations: the same bits
       # (Scanned state's device update runs a loop over layers, whose
       # fusions XLA contracts otherwise: within the tolerance above.)
