@@ -31,7 +31,7 @@ import numpy as np
 
 import jcxl
 from benchmarks import bench
-from jcxl import updates as up
+from jcxl.experimental import updates as up
 
 BYTES_PER_ELEMENT = 28  # p, mu, nu, g read (16) + p, mu, nu written (12)
 B1, B2, EPS = np.float32(0.9), np.float32(0.999), np.float32(1e-8)

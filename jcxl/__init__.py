@@ -38,7 +38,6 @@ from jcxl import distributed as distributed
 from jcxl import planning as planning
 from jcxl import topology as topology
 from jcxl import units as units
-from jcxl import updates as updates
 
 __all__ = [
     # Errors.
@@ -61,12 +60,12 @@ __all__ = [
     "gather",
     "init_in_pool",
     "place",
+    "tiers_by_reads",
     # Streaming inside a jitted function.
     "fetch",
     "layer_scan",
     "store",
     "streamed_scan",
-    "tiers_by_reads",
     # Offloaded steps and what they report.
     "LayerPlan",
     "LayerReport",
@@ -81,14 +80,14 @@ __all__ = [
     "planning",
     "topology",
     "units",
-    "updates",
 ]
 
 
 def __getattr__(name: str):
   # jcxl.checkpoint brings in Orbax (about a second to import): loaded on
   # first use, not with jcxl.
-  if name == "checkpoint":
+  # jcxl.experimental, outside the stable face, is not in __all__.
+  if name in ("checkpoint", "experimental"):
     import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module("jcxl.checkpoint")
+    return importlib.import_module(f"jcxl.{name}")
   raise AttributeError(f"module 'jcxl' has no attribute {name!r}")

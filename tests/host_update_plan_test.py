@@ -122,7 +122,7 @@ class HostUpdatePlanTest:
       assert registered == lower.for_device(node, None, handles, copies)
       # The stand-ins are gone: every object handle is a real one.
       assert all(i.handle >= 0 for i in registered.inputs
-                 if i.kind == jcxl.updates.InputKind.OBJECT)
+                 if i.kind == jcxl.experimental.updates.InputKind.OBJECT)
       assert all(o.handle >= 0 for o in registered.outputs)
     del step
 

@@ -420,7 +420,7 @@ class NothingSilentlyWrongTest:
 
     def refuse(program):
       raise ValueError("update program: has 20000 registers")
-    monkeypatch.setattr(jcxl.updates.Program, "validate", refuse)
+    monkeypatch.setattr(jcxl.experimental.updates.Program, "validate", refuse)
     params, loss_fn = mlp(scan=False)
     data = batches(2)
     with pytest.raises(ValueError, match=r"cannot run the update of .* the "

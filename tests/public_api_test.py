@@ -108,8 +108,11 @@ class ExportsTest:
       assert all(isinstance(e, jcxl.planning.TunerEvent)
                  for e in step.tuner.history)
 
-  @pytest.mark.parametrize("module", ["planning", "units", "updates"])
+  @pytest.mark.parametrize("module", ["planning", "units",
+                                      "experimental.updates"])
   def test_public_modules_document_each_name(self, module):
-    mod = getattr(jcxl, module)
+    mod = jcxl
+    for part in module.split("."):
+      mod = getattr(mod, part)
     for name in mod.__all__:
       assert getattr(mod, name).__doc__, f"jcxl.{module}.{name}"

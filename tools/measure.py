@@ -19,9 +19,11 @@
   its own (jcxl._src.dap.x importing jcxl._src.y);
 - the largest class by public methods, in Python (jcxl/) and in C++
   (ffi/*.h: functions declared in a class body's public part);
-- the files that name one host-update operation (its C++ enumerator, its
-  Python member or its primitive's name in jcxl/ and ffi/), for the
-  operation named in the most files;
+- the files that list the host-update operations (name at least half of
+  them outside docstrings: where adding one means an edit), and the files
+  that name one (its C++ enumerator, its Python member or its primitive's
+  name in jcxl/ and ffi/), for the operation named in the most files;
+- public methods and functions of jcxl's public face without a docstring;
 - flags of experiments/ with more than one name for one concept (synonyms
   such as --n_layer and --layers, or one name defined with two kinds).
 
@@ -319,6 +321,48 @@ def largest_public_class() -> dict:
   return {"python": py, "cc": cc}
 
 
+def undocumented_public() -> dict:
+  """Public functions, classes and their public methods without a
+  docstring: the names in `__all__` of jcxl's public modules (jcxl/*.py,
+  jcxl/experimental/*.py), found where they are defined in jcxl/."""
+  defs = {}  # module name -> {top-level name: node}
+  def module_defs(module: str) -> dict:
+    if module not in defs:
+      path = os.path.join(ROOT, *module.split(".")) + ".py"
+      if not os.path.exists(path):
+        path = os.path.join(ROOT, *module.split("."), "__init__.py")
+      defs[module] = ({n.name: n for n in _tree(path).body
+                       if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                      if os.path.exists(path) else {})
+    return defs[module]
+  public, missing = 0, []
+  faces = [os.path.join(ROOT, "jcxl", f) for f in sorted(os.listdir(
+      os.path.join(ROOT, "jcxl"))) if f.endswith(".py")]
+  faces += [os.path.join(ROOT, "jcxl", "experimental", f) for f in sorted(
+      os.listdir(os.path.join(ROOT, "jcxl", "experimental")))
+            if f.endswith(".py")]
+  seen = set()
+  for face in faces:
+    for node in _tree(face).body:
+      if not (isinstance(node, ast.ImportFrom) and node.module
+              and node.module.startswith("jcxl._src")):
+        continue
+      for alias in node.names:
+        d = module_defs(node.module).get(alias.name)
+        if d is None or (node.module, alias.name) in seen:
+          continue
+        seen.add((node.module, alias.name))
+        items = [(alias.name, d)] + [
+            (f"{alias.name}.{b.name}", b) for b in getattr(d, "body", ())
+            if isinstance(b, ast.FunctionDef) and not b.name.startswith("_")
+        ] if isinstance(d, ast.ClassDef) else [(alias.name, d)]
+        for name, item in items:
+          public += 1
+          if not ast.get_docstring(item):
+            missing.append(name)
+  return {"public": public, "missing": sorted(missing)}
+
+
 def _cc_public_methods(path: str) -> list[tuple[str, int]]:
   """(class, public methods) for each class or struct defined in a C++
   header, parsed simply: comments and strings dropped, statements of the
@@ -519,6 +563,7 @@ def measure() -> dict:
           "upward_imports": upward_imports(),
           "largest_public_class": largest_public_class(),
           "update_op_files": update_op_files(),
+          "undocumented_public": undocumented_public(),
           "experiment_flag_names": experiment_flag_names()}
 
 
@@ -566,6 +611,11 @@ def table(m: dict) -> str:
        f"({len(m['update_op_files']['outside_tests'])} outside tests), "
        f"for {m['update_op_files']['op']}: "
        + ", ".join(m["update_op_files"]["files"])),
+      ("public functions and methods without a docstring",
+       f"{len(m['undocumented_public']['missing'])} of "
+       f"{m['undocumented_public']['public']}"
+       + (": " + ", ".join(m["undocumented_public"]["missing"][:12])
+          if m["undocumented_public"]["missing"] else "")),
       ("experiment flags with several names for one concept",
        f"{m['experiment_flag_names']['count']}" + "".join(
            f"; {c}: {' '.join(n)}"

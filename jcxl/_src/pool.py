@@ -505,6 +505,8 @@ class Pool:
     self._pool.free(handle, self._timeout_s)
 
   def info(self, handle: int) -> ObjectInfo:
+    """Where the object `handle` lives and what it is (an ObjectInfo: tier,
+    NUMA node, offset, bytes, shape, dtype)."""
     raw = self._pool.info(_as_handle(handle))
     return ObjectInfo(handle=raw.handle, tier=Tier.from_index(raw.tier),
                       node=raw.node, offset=raw.offset, nbytes=raw.bytes,
@@ -513,6 +515,7 @@ class Pool:
                       copy_of=raw.copy_of)
 
   def handles(self) -> list[int]:
+    """The handles of the objects the pool holds now."""
     return list(self._pool.handles())
 
   def page_nodes(self, handle: int) -> np.ndarray:
@@ -537,6 +540,8 @@ class Pool:
     return dict(self._settings)
 
   def stats(self) -> PoolStats:
+    """The pool's counters now, per tier: objects, bytes live and reserved,
+    fragmentation, bytes read and written."""
     tiers = {}
     for raw in self._pool.stats():
       tier = Tier.from_index(raw.tier)
@@ -650,6 +655,7 @@ class Pool:
 
   @property
   def closed(self) -> bool:
+    """Whether the pool is closed (its memory freed, its handles invalid)."""
     return self._pool.closed
 
   @property

@@ -156,22 +156,27 @@ class PoolArray:
 
   @property
   def ndim(self) -> int:
+    """The number of dimensions."""
     return len(self.shape)
 
   @property
   def size(self) -> int:
+    """The number of elements."""
     return int(np.prod(self.shape, dtype=np.int64))
 
   @property
   def nbytes(self) -> int:
+    """The array's bytes (all shards), as numpy's `nbytes`."""
     return self.size * self.dtype.itemsize
 
   @property
   def memory_kind(self) -> str:
+    """The tier the array lives in, as a memory kind ('cxl', 'nvme', ...)."""
     return self.tier.value
 
   @property
   def shard_shape(self) -> tuple[int, ...]:
+    """The shape of one shard (the whole shape where it is not sharded)."""
     return shard_shape(self.shape, self.sharding)
 
   # The pool object's own shape per shard (a view's differs from `shape`).
@@ -184,6 +189,7 @@ class PoolArray:
     return registry.find_pool(self.pool_id, what=self._what())
 
   def aval(self) -> jax.ShapeDtypeStruct:
+    """The abstract value (shape and dtype) JAX sees for the array."""
     return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
 
   def delete(self) -> None:
@@ -233,14 +239,17 @@ class PoolArray:
 
   @property
   def T(self) -> jax.Array:  # pylint: disable=invalid-name
+    """The transpose, read as a jax.Array (the data is fetched)."""
     return jnp.asarray(self).T
 
   @property
   def real(self) -> jax.Array:
+    """The real part, read as a jax.Array (the data is fetched)."""
     return jnp.real(self)
 
   @property
   def imag(self) -> jax.Array:
+    """The imaginary part, read as a jax.Array (the data is fetched)."""
     return jnp.imag(self)
 
 

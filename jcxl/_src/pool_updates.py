@@ -1,7 +1,7 @@
 """A pool's update service: host update programs run on its objects.
 
-``pool.updates`` registers an update program (``jcxl.updates.Program``) on
-the pool's objects, runs it on the pool's update threads and counts what
+``pool.updates`` registers an update program
+(``jcxl.experimental.updates.Program``) on the pool's objects, runs it on the pool's update threads and counts what
 the runs did; ``update_start`` runs a registered program inside a jitted
 step (see docs/host-update.md).
 """
@@ -57,13 +57,16 @@ class UpdateRun:
 
   @property
   def id(self) -> int:
+    """The run's id in the pool's update service."""
     return self._run.id
 
   @property
   def program_id(self) -> int:
+    """The id of the registered program this run executes."""
     return self._run.program_id
 
   def done(self) -> bool:
+    """Whether the run has finished (`wait` blocks until it has)."""
     return self._run.done()
 
   def wait(self, timeout_s: float | None = None) -> None:
@@ -96,7 +99,7 @@ class PoolUpdates:
   """A pool's update programs (``pool.updates``): register, run, release.
 
   Example:
-    >>> from jcxl import updates as u
+    >>> from jcxl.experimental import updates as u
     >>> h = pool.put(np.ones(1024, np.float32), "host")
     >>> double = pool.updates.register(u.Program(
     ...     1024, 1, [u.Input.object(h), u.Input.scalar(0)],

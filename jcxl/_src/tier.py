@@ -13,6 +13,7 @@ class Tier(str, enum.Enum):
 
   @property
   def index(self) -> int:
+    """The tier's index in the C++ pool's tables."""
     return _TIER_INDEX[self]
 
   @classmethod

@@ -93,10 +93,12 @@ class NumaNode:
 
   @property
   def has_cpus(self) -> bool:
+    """Whether the node has CPUs (a CXL expander's node has none)."""
     return bool(self.cpus)
 
   @property
   def has_memory(self) -> bool:
+    """Whether the node has memory of its own."""
     return self.memory_bytes > 0
 
   @property
@@ -133,6 +135,7 @@ class Topology:
 
   @property
   def node_ids(self) -> tuple[int, ...]:
+    """The ids of the machine's NUMA nodes, in order."""
     return tuple(n.id for n in self.nodes)
 
   @property

@@ -35,6 +35,7 @@ class TransferRecord:
 
   @property
   def seconds(self) -> float:
+    """How long the copy took, from its start to its end."""
     return (self.finished_ns - self.started_ns) * 1e-9
 
 

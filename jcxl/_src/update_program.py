@@ -104,14 +104,18 @@ class Input:
 
   @classmethod
   def object(cls, handle: int) -> Input:
+    """An input read from the pool object `handle`, element by element."""
     return cls(InputKind.OBJECT, handle=handle)
 
   @classmethod
   def scalar(cls, index: int) -> Input:
+    """An input that is scalar `index` of a run's scalars (a learning rate, a
+    step count)."""
     return cls(InputKind.SCALAR, scalar_index=index)
 
   @classmethod
   def const(cls, value: float) -> Input:
+    """An input that is the constant `value` in every element."""
     return cls(InputKind.CONSTANT, constant=value)
 
 

@@ -1,7 +1,7 @@
 """The pass that lowers a host update to an update program, once.
 
-A host update's equations become one ``jcxl.updates.Program`` (see
-``ffi/update_program.h``) when the update is found: registers for the state
+A host update's equations become one
+``jcxl.experimental.updates.Program`` (see ``ffi/update_program.h``) when the update is found: registers for the state
 it reads, its gradients, its scalars and its constants, then one
 instruction per equation. The objects of its gradients and weight copies
 are made later (see runtime), and a program is registered per device of

@@ -92,9 +92,12 @@ class Prediction:
 
   @property
   def total_stall_s(self) -> float:
+    """Seconds the step is predicted to wait on fetches in all."""
     return sum(self.stall_s)
 
   def stall_by_layer(self, segments: Sequence[Segment]) -> dict[str, float]:
+    """Seconds the step is predicted to wait on each layer's fetches, by layer
+    name."""
     out: dict[str, float] = {}
     for seg, stall in zip(segments, self.stall_s):
       out[seg.name] = out.get(seg.name, 0.0) + stall

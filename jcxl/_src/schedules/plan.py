@@ -78,17 +78,23 @@ class LayerSchedule:
   def of(cls, prefetch: Mapping[str, int],
          chunk_bytes: Mapping[str, int] | None = None,
          name: str = "per-layer") -> LayerSchedule:
+    """A schedule of per-layer `prefetch` distances and `chunk_bytes`, by
+    layer name."""
     return cls(tuple(sorted(prefetch.items())),
                tuple(sorted((chunk_bytes or {}).items())), name=name)
 
   def prefetch_for(self, layer: str) -> int:
+    """How many layers ahead `layer`'s fetch is issued."""
     return dict(self.prefetch).get(layer, self.default_prefetch)
 
   def chunk_for(self, layer: str) -> int:
+    """The chunk size, in bytes, of `layer`'s fetches."""
     return dict(self.chunk_bytes).get(layer, self.default_chunk_bytes)
 
   def resolve(self, segments: Sequence[costmodel.Segment],
               links: Mapping[str, costmodel.Link]) -> LayerSchedule:
+    """The schedule to run for a step's layer timeline (`segments`) over
+    `links`: this one, which is fixed."""
     del segments, links
     return self
 
@@ -219,6 +225,7 @@ class Plan:
   updates: tuple[str, ...] = ()
 
   def layer(self, name: str) -> LayerPlan:
+    """The `LayerPlan` of the layer named `name` (KeyError if none)."""
     for layer in self.layers:
       if layer.name == name:
         return layer
@@ -259,6 +266,7 @@ class Plan:
         made_for=self.made_for, source=source)
 
   def to_json(self) -> dict[str, Any]:
+    """The plan as a dict of JSON values (`from_json` reads it)."""
     return {"schedule": self.schedule,
             "predicted_step_s": self.predicted_step_s,
             "reasons": list(self.reasons),
@@ -270,6 +278,7 @@ class Plan:
 
   @classmethod
   def from_json(cls, data: Mapping[str, Any]) -> Plan:
+    """A plan from the dict `to_json` made (ValueError if it is not one)."""
     try:
       layers = tuple(LayerPlan(**{**l, "tiers": tuple(l["tiers"])})
                      for l in data["layers"])
@@ -285,6 +294,8 @@ class Plan:
       raise ValueError(f"not a jcxl plan: {e!r}") from None
 
   def save(self, path: str) -> None:
+    """Writes the plan to `path` as JSON (`Plan.load` reads it back;
+    ``schedule="plan:<path>"`` runs it)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
       json.dump(self.to_json(), f, indent=2)

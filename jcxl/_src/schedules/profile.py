@@ -58,6 +58,8 @@ class LayerProfile:
 
   @property
   def bandwidth(self) -> float:
+    """Bytes per second of this layer's fetches (0.0 where none were
+    timed)."""
     return self.bytes_fetched / self.transfer_s if self.transfer_s else 0.0
 
 
@@ -90,10 +92,12 @@ class StepProfile:
 
   @property
   def stall_s(self) -> float:
+    """Seconds the step waited on the pool's copies (fetches and stores)."""
     return sum(l.stall_s for l in self.layers)
 
   @property
   def stall_fraction(self) -> float:
+    """The share of the step spent waiting on the pool's copies."""
     return self.stall_s / self.step_s if self.step_s else 0.0
 
   def table(self) -> str:

@@ -157,12 +157,15 @@ class Tuner:
 
   @property
   def prefetch_budget(self) -> int | None:
+    """The device bytes prefetching may use (the budget less the step's own
+    need), or None."""
     if self.budget is None or self._base_bytes is None:
       return None
     return max(0, self.budget - self._base_bytes)
 
   @property
   def converged(self) -> bool:
+    """Whether the tuner has settled on a plan (its steady phase)."""
     return self._phase is Phase.STEADY
 
   @property

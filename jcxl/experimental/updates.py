@@ -8,7 +8,7 @@ Python (``pool.updates.run``) or inside a jitted step (``update_start`` then
 device link.
 
 Example:
-  >>> from jcxl import updates as u
+  >>> from jcxl.experimental import updates as u
   >>> h = pool.put(np.ones(1024, np.float32), "host")
   >>> double = pool.updates.register(u.Program(
   ...     1024, 1, [u.Input.object(h), u.Input.scalar(0)],
