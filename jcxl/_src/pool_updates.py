@@ -98,13 +98,8 @@ def _as_program_id(program_id: Any) -> int:
 class PoolUpdates:
   """A pool's update programs (``pool.updates``): register, run, release.
 
-  Example:
-    >>> from jcxl.experimental import updates as u
-    >>> h = pool.put(np.ones(1024, np.float32), "host")
-    >>> double = pool.updates.register(u.Program(
-    ...     1024, 1, [u.Input.object(h), u.Input.scalar(0)],
-    ...     [u.Instr(u.UpdateOp.MUL, 0, 1)], [u.Output(2, h)]))
-    >>> pool.updates.run(double, [2.0]).wait()
+  The programs are ``jcxl.experimental.updates.Program``s; that module's
+  docstring has an example of one registered and run.
   """
 
   def __init__(self, native: Any, pool_id: int, timeout_s: float):
