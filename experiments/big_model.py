@@ -37,9 +37,12 @@ once, bfloat16 weights in and gradients out once), the excess split by
 cause (``big_model_bounds.bytes_per_param``).
 
 The lower bound of a step is max(compute alone, disk bytes read / dd's
-read rate + bytes written / dd's write rate). ``dd`` reads and writes a
+read rate + bytes written / dd's write rate). ``dd`` writes and reads a
 file in ``--nvme_dir`` with O_DIRECT and the pool's request size before
-and after training (the faster of the two is the reference). Compute
+and after training, and a smaller probe (``DiskProbe``) before the first
+step and after each: a step's reference is the faster of the probes
+beside it, per direction (the disk's rate drifts within a run; the ratio
+against the faster of before and after is reported too). Compute
 alone is the step's device work under plain ``jax.jit`` with its state
 resident (with ``update='host'`` the forward and backward pass: the
 optimizer runs on the host beside it, its time reported apart), timed in
@@ -83,6 +86,7 @@ which is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -194,6 +198,16 @@ _DD_BYTES = flags.DEFINE_string(
     "full-size run reads tens of GiB from nvme: the reference should be "
     "sustained, not a burst).", flag_values=FLAGS)
 
+# The disk's rate drifts within a run (2x between the dd before and the dd
+# after the 4.25B run's 20 steps): a probe next to each step measures what
+# the disk gives then, not 40 minutes away.
+_DD_PROBE_BYTES = flags.DEFINE_string(
+    "dd_probe_bytes", "2GiB", "Before the first step and after each, dd "
+    "writes this many bytes and reads as many (written by the probe before, "
+    "with a step's traffic in between) with the pool's request size; each "
+    "step's bound takes the faster of the probes beside it. 0: no probes "
+    "(the bound takes --dd_bytes' before and after).", flag_values=FLAGS)
+
 _PROGRESS_S = flags.DEFINE_float(
     "progress_s", 60.0, "A progress line every this many seconds during "
     "init, compile, the steps and the checkpoint (0: none).",
@@ -225,6 +239,7 @@ class Config:
   checkpoint: str
   run_dir: str
   dd_bytes: int
+  dd_probe_bytes: int = 0
   scan_layers: bool = False
   update: str = "host"
   compute_dtype: str = "bfloat16"
@@ -293,6 +308,8 @@ def config_from_flags() -> Config:
       chunk_bytes=parse_bytes(_CHUNK.value, name="--chunk_bytes"),
       checkpoint=_CHECKPOINT.value, run_dir=_RUN_DIR.value,
       dd_bytes=parse_bytes(_DD_BYTES.value, name="--dd_bytes"),
+      dd_probe_bytes=parse_bytes(_DD_PROBE_BYTES.value,
+                                 name="--dd_probe_bytes"),
       scan_layers=_SCAN_LAYERS.value, update=_UPDATE.value,
       compute_dtype=_COMPUTE_DTYPE.value, refetch=_REFETCH.value,
       state_over_memory=_STATE_OVER_MEMORY.value)
@@ -418,6 +435,39 @@ def dd_reference(directory: str, nbytes: int, block: int) -> dict[str, float]:
     if os.path.exists(path):
       os.remove(path)
   return {"read": read.bandwidth, "write": wrote.bandwidth}
+
+
+class DiskProbe:
+  """dd O_DIRECT beside each step: a file of two halves of `nbytes`; each
+  `measure` writes one half and reads the other, which the probe before
+  wrote (a step's traffic in between, so not a read of what was just
+  written), in requests of `block`. Bytes per second."""
+
+  def __init__(self, directory: str, nbytes: int, block: int):
+    self.path = os.path.join(directory, "big_model-dd-probe")
+    self.block = block
+    self.count = max(1, nbytes // block)
+    self._half = 0
+    _dd(["if=/dev/zero", f"of={self.path}", f"bs={block}",
+         f"count={2 * self.count}", "oflag=direct", "conv=fsync"])
+
+  def measure(self) -> dict[str, float]:
+    write, read = self._half, 1 - self._half
+    self._half = read
+    wrote = _dd(["if=/dev/zero", f"of={self.path}", f"bs={self.block}",
+                 f"count={self.count}", f"seek={write * self.count}",
+                 "oflag=direct", "conv=fsync,notrunc"])
+    got = _dd([f"if={self.path}", "of=/dev/null", f"bs={self.block}",
+               f"count={self.count}", f"skip={read * self.count}",
+               "iflag=direct"])
+    return {"read": got.bandwidth, "write": wrote.bandwidth}
+
+  def __enter__(self) -> DiskProbe:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if os.path.exists(self.path):
+      os.remove(self.path)
 
 
 def _busy_s(records: Sequence[TransferRecord]) -> float:
@@ -613,12 +663,13 @@ def _nvme_tier(config: Config, state_bytes: int, param_bytes: int) -> int:
   fast = config.fast_capacity if config.fast_tier != "none" else 0
   nvme = bounds.nvme_tier_bytes(state_bytes, param_bytes, fast, _SLACK)
   free = shutil.disk_usage(config.nvme_dir).free
-  if nvme + _DISK_MARGIN > free:
+  probe = 2 * config.dd_probe_bytes  # DiskProbe's file, beside the tier
+  if nvme + probe + _DISK_MARGIN > free:
     raise app.UsageError(
         f"the nvme tier needs {format_bytes(nvme)} in --nvme_dir "
-        f"{config.nvme_dir!r}, which has {format_bytes(free)} free (and "
-        f"{format_bytes(_DISK_MARGIN)} is left for others); use a smaller "
-        "--n_layer")
+        f"{config.nvme_dir!r} (and dd's probe {format_bytes(probe)}), which "
+        f"has {format_bytes(free)} free (and {format_bytes(_DISK_MARGIN)} is "
+        "left for others); use a smaller --n_layer or --dd_probe_bytes")
   return nvme
 
 
@@ -639,13 +690,16 @@ def _pool(config: Config, state_bytes: int, param_bytes: int) -> jcxl.Pool:
 
 def _step_line(i: int, row: dict[str, Any]) -> str:
   gb = lambda x: f"{x / 1e9:.2f}"
+  dd = row.get("dd_beside")
+  probe = (f"  dd after: r {gb(dd['after']['read'])} w "
+           f"{gb(dd['after']['write'])} GB/s" if dd else "")
   return (f"step {i:3d}  loss {row['loss']:.4f}  {row['step_s']:7.1f} s  "
           f"compute {row['compute_in_step_s']:6.1f} s  waits "
           f"{row['waits_s']:6.1f} s  host update {row['host_update_s']:6.1f}"
           f" s  disk r {gb(row['disk_read'])} GB ({row['disk_busy_read_s']:.1f}"
           f" s busy) w {gb(row['disk_written'])} GB "
           f"({row['disk_busy_write_s']:.1f} s busy)  link in "
-          f"{gb(row['link_in'])} out {gb(row['link_out'])} GB")
+          f"{gb(row['link_in'])} out {gb(row['link_out'])} GB{probe}")
 
 
 def _run_step(step, params, opt_state, batch, pool) -> tuple[Any, dict]:
@@ -720,11 +774,12 @@ def _leaf_bytes(x: Any) -> int:
 
 
 def train(config: Config, n_layer: int, steps: int, progress: Progress,
-          rss: PeakRss, resume: bool) -> dict[str, Any]:
+          rss: PeakRss, resume: bool, probe: bool = False) -> dict[str, Any]:
   """Trains `n_layer` blocks for `steps` steps in a pool of their own;
   with `resume`, then saves the state, runs one more step, restores the
-  checkpoint and runs that step again. The pool and the checkpoint are
-  gone when it returns."""
+  checkpoint and runs that step again; with `probe`, a ``DiskProbe``
+  before the first step and after each (its rates in each step's row).
+  The pool and the checkpoint are gone when it returns."""
   model = config.model(n_layer)
   tx = optimizer(config)
   build, key, param_shapes, opt_shapes = _state_shapes(model, tx, config.seed)
@@ -782,12 +837,21 @@ def train(config: Config, n_layer: int, steps: int, progress: Progress,
          if u.startswith("weight copies")), "")
     rows = []
     ckpt_dir = os.path.join(config.nvme_dir, "big_model-checkpoint")
-    for i in range(steps):
-      progress.phase(f"step {i + 1}")
-      (params, opt_state), row = _run_step(step, params, opt_state,
-                                           batches[i], pool)
-      rows.append(row)
-      _say(_step_line(i + 1, row))
+    with contextlib.ExitStack() as stack:
+      disk = (stack.enter_context(DiskProbe(
+          config.nvme_dir, config.dd_probe_bytes, config.chunk_bytes))
+              if probe and config.dd_probe_bytes else None)
+      before = disk.measure() if disk else None
+      for i in range(steps):
+        progress.phase(f"step {i + 1}")
+        (params, opt_state), row = _run_step(step, params, opt_state,
+                                             batches[i], pool)
+        if disk:
+          after = disk.measure()
+          row["dd_beside"] = {"before": before, "after": after}
+          before = after
+        rows.append(row)
+        _say(_step_line(i + 1, row))
     out["steps"] = rows
     out["peak_rss_steps_bytes"] = rss.window()
     if resume:
@@ -890,7 +954,8 @@ def _run(config: Config, progress: Progress) -> dict[str, Any]:
   results["compute_alone"] = compute_alone(config, config.n_layer)
   _say("compute alone (resident jax.jit step, extrapolated from 1 and 3 "
        f"blocks): {results['compute_alone']['seconds']:.2f} s")
-  big = train(config, config.n_layer, config.steps, progress, rss, room)
+  big = train(config, config.n_layer, config.steps, progress, rss, room,
+              probe=True)
   results.update({k: v for k, v in big.items()
                   if k not in ("parameters", "state_bytes")})
   if room:

@@ -133,11 +133,25 @@ class RunTest:
     config = experiment(big_model)(
         "--n_embd=64", "--n_head=4", "--n_layer=2", "--seq_len=16",
         "--steps=4", "--fast_capacity=256KiB", "--dd_bytes=8MiB",
-        "--learning_rate=3e-3", f"--nvme_dir={tmp_path / 'nvme'}",
-        f"--run_dir={tmp_path / 'run'}")
+        "--learning_rate=3e-3", "--dd_probe_bytes=4MiB",
+        f"--nvme_dir={tmp_path / 'nvme'}", f"--run_dir={tmp_path / 'run'}")
     results = big_model.run(config)
     assert not results["full_size"]
     assert len(results["steps"]) == 4
+    # A dd probe between steps: each step's bound takes the faster of the
+    # two beside it, per direction.
+    rows = results["steps"]
+    assert results["dd_beside_steps"]
+    for row, after in zip(rows, rows[1:]):
+      assert row["dd_beside"]["after"] == after["dd_beside"]["before"]
+    compute = results["compute_alone"]["seconds"]
+    for row in rows:
+      beside = row["dd_beside"]
+      assert min(beside["before"].values()) > 0
+      dd = {d: max(beside["before"][d], beside["after"][d])
+            for d in ("read", "write")}
+      assert row["lower_bound_s"] == pytest.approx(bounds.lower_bound(
+          compute, row["disk_read"], row["disk_written"], dd))
     # Part of the state is on nvme and the host update ran every step.
     assert 0 < results["nvme_state_bytes"] < results["state_bytes"]
     for row in results["steps"]:
@@ -157,6 +171,23 @@ class RunTest:
     # The run's nvme files and the checkpoint are gone.
     assert not any(p.name.startswith("big_model")
                    for p in (tmp_path / "nvme").iterdir())
+
+  def test_disk_probe_reads_the_half_the_probe_before_wrote(
+      self, tmp_path, monkeypatch):
+    calls = []
+    real = big_model._dd
+    monkeypatch.setattr(big_model, "_dd",
+                        lambda args: calls.append(args) or real(args))
+    with big_model.DiskProbe(str(tmp_path), 1 << 20, 1 << 18) as probe:
+      assert (tmp_path / "big_model-dd-probe").stat().st_size == 2 << 20
+      rates = [probe.measure() for _ in range(3)]
+    assert all(r["read"] > 0 and r["write"] > 0 for r in rates)
+    # Writes go to halves 0, 1, 0 and reads to 1, 0, 1 (4 requests each).
+    writes = [a for a in calls[1:] if "if=/dev/zero" in a]
+    reads = [a for a in calls[1:] if "of=/dev/null" in a]
+    assert [a[4] for a in writes] == ["seek=0", "seek=4", "seek=0"]
+    assert [a[4] for a in reads] == ["skip=4", "skip=0", "skip=4"]
+    assert not (tmp_path / "big_model-dd-probe").exists()
 
   def test_config_is_frozen(self, experiment):
     config = experiment(big_model)("--nvme_dir=/var/tmp", "--n_layer=2")
