@@ -29,6 +29,11 @@ from tests import public_code_test as examples
 # whose rounding differs between two compiled programs by a few parts in
 # 1e7 (1.4e-6 of a LayerNorm scale's first moment, the largest seen).
 RTOL, MOMENT_RTOL = 1e-6, 1e-5
+# BERT's query biases: one element of 16 ends 20 steps 1.06e-6 of its
+# leaf's scale from jax.jit's (25 float32 ulps; update='device' as much as
+# 'host', the same element): its gradient is small, and adam's m / sqrt(v)
+# brings the two programs' rounding of it up to the size of the step.
+PARAM_RTOL = {"FlaxBertForMaskedLM": 2e-6}
 E = 16  # width
 
 
@@ -145,7 +150,8 @@ class TransformersTest:
     state, results = examples.run_steps(*start(name), train_step, step)
     examples.assert_close(results, ref_results)  # losses, lr, rng keys
     assert_state_close(state.replace(apply_fn=None, opt_state=None),
-                       ref_state.replace(apply_fn=None, opt_state=None), RTOL)
+                       ref_state.replace(apply_fn=None, opt_state=None),
+                       PARAM_RTOL.get(name, RTOL))
     assert_state_close(state.opt_state, ref_state.opt_state, MOMENT_RTOL)
     weights = {l.name: l.update for l in offloaded.plan.layers
                if l.name.startswith("[")}
