@@ -422,15 +422,32 @@ def _dd(args: list[str]) -> bench.DdReport:
   return bench.parse_dd_report(done.stderr)
 
 
+def _dd_write(path: str, block: int, count: int, seek: int | None = None
+              ) -> bench.DdReport:
+  """`count` O_DIRECT requests of `block` zeros into `path` (from request
+  `seek` on, the rest of the file kept), synced."""
+  at = [] if seek is None else [f"seek={seek}"]
+  conv = "conv=fsync" if seek is None else "conv=fsync,notrunc"
+  return _dd(["if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}",
+              *at, "oflag=direct", conv])
+
+
+def _dd_read(path: str, block: int, count: int | None = None, skip: int = 0
+             ) -> bench.DdReport:
+  """O_DIRECT requests of `block` from `path` (`count` of them from request
+  `skip` on; all of it by default)."""
+  some = [] if count is None else [f"count={count}", f"skip={skip}"]
+  return _dd([f"if={path}", "of=/dev/null", f"bs={block}", *some,
+              "iflag=direct"])
+
+
 def dd_reference(directory: str, nbytes: int, block: int) -> dict[str, float]:
   """O_DIRECT write then read of a file of `nbytes` in `directory`, in
   requests of `block` bytes (queue depth 1); bytes per second."""
   path = os.path.join(directory, "big_model-dd-reference")
-  count = max(1, nbytes // block)
   try:
-    wrote = _dd(["if=/dev/zero", f"of={path}", f"bs={block}",
-                 f"count={count}", "oflag=direct", "conv=fsync"])
-    read = _dd([f"if={path}", "of=/dev/null", f"bs={block}", "iflag=direct"])
+    wrote = _dd_write(path, block, max(1, nbytes // block))
+    read = _dd_read(path, block)
   finally:
     if os.path.exists(path):
       os.remove(path)
@@ -448,18 +465,14 @@ class DiskProbe:
     self.block = block
     self.count = max(1, nbytes // block)
     self._half = 0
-    _dd(["if=/dev/zero", f"of={self.path}", f"bs={block}",
-         f"count={2 * self.count}", "oflag=direct", "conv=fsync"])
+    _dd_write(self.path, block, 2 * self.count)
 
   def measure(self) -> dict[str, float]:
     write, read = self._half, 1 - self._half
     self._half = read
-    wrote = _dd(["if=/dev/zero", f"of={self.path}", f"bs={self.block}",
-                 f"count={self.count}", f"seek={write * self.count}",
-                 "oflag=direct", "conv=fsync,notrunc"])
-    got = _dd([f"if={self.path}", "of=/dev/null", f"bs={self.block}",
-               f"count={self.count}", f"skip={read * self.count}",
-               "iflag=direct"])
+    wrote = _dd_write(self.path, self.block, self.count,
+                      seek=write * self.count)
+    got = _dd_read(self.path, self.block, self.count, skip=read * self.count)
     return {"read": got.bandwidth, "write": wrote.bandwidth}
 
   def __enter__(self) -> DiskProbe:
@@ -658,24 +671,34 @@ def _nbytes(tree: Any) -> int:
 
 
 
-def _nvme_tier(config: Config, state_bytes: int, param_bytes: int) -> int:
-  """The nvme tier's bytes; app.UsageError where the disk lacks them."""
+def _nvme_tier(config: Config, state_bytes: int, param_bytes: int,
+               probe: int = 0) -> int:
+  """The nvme tier's bytes; app.UsageError where the disk lacks them (and
+  `probe` bytes for DiskProbe's file beside it)."""
   fast = config.fast_capacity if config.fast_tier != "none" else 0
   nvme = bounds.nvme_tier_bytes(state_bytes, param_bytes, fast, _SLACK)
   free = shutil.disk_usage(config.nvme_dir).free
-  probe = 2 * config.dd_probe_bytes  # DiskProbe's file, beside the tier
   if nvme + probe + _DISK_MARGIN > free:
     raise app.UsageError(
         f"the nvme tier needs {format_bytes(nvme)} in --nvme_dir "
-        f"{config.nvme_dir!r} (and dd's probe {format_bytes(probe)}), which "
-        f"has {format_bytes(free)} free (and {format_bytes(_DISK_MARGIN)} is "
-        "left for others); use a smaller --n_layer or --dd_probe_bytes")
+        f"{config.nvme_dir!r}"
+        + (f" and dd's probe {format_bytes(probe)} beside it" if probe else "")
+        + f", which has {format_bytes(free)} free (and "
+        f"{format_bytes(_DISK_MARGIN)} is left for others); use a smaller "
+        "--n_layer" + (" or --dd_probe_bytes" if probe else ""))
   return nvme
 
 
-def _pool(config: Config, state_bytes: int, param_bytes: int) -> jcxl.Pool:
+def _probe_bytes(config: Config, probe: bool) -> int:
+  """Disk DiskProbe's file takes in a run that probes."""
+  return 2 * config.dd_probe_bytes if probe else 0
+
+
+def _pool(config: Config, state_bytes: int, param_bytes: int,
+          probe: bool) -> jcxl.Pool:
   fast = config.fast_capacity if config.fast_tier != "none" else 0
-  nvme = _nvme_tier(config, state_bytes, param_bytes)
+  nvme = _nvme_tier(config, state_bytes, param_bytes,
+                    _probe_bytes(config, probe))
   sizes = {"host": 0, "cxl": 0}
   if fast:
     sizes[config.fast_tier] = fast
@@ -793,7 +816,7 @@ def train(config: Config, n_layer: int, steps: int, progress: Progress,
                            seed=config.seed)
   # One more batch for the resume check's step, after the timed ones.
   batches = [next(batches) for _ in range(steps + resume)]
-  with _pool(config, state_bytes, param_bytes) as pool:
+  with _pool(config, state_bytes, param_bytes, probe) as pool:
     labels = {t.value: s.label() for t, s in pool.stats().tiers.items()
               if s.enabled}
     out["tiers"] = labels
@@ -930,7 +953,8 @@ def _run(config: Config, progress: Progress) -> dict[str, Any]:
        f"physical memory ({format_bytes(physical)}); update={config.update}"
        + ("" if full else "; SMALLER than the issue's run (state under "
           f"{FULL_STATE_OVER_MEMORY}x memory or under {FULL_STEPS} steps)"))
-  _nvme_tier(config, state_bytes, param_bytes)  # before dd and the rest
+  _nvme_tier(config, state_bytes, param_bytes,  # before dd and the rest
+             _probe_bytes(config, probe=True))
   free = shutil.disk_usage(config.nvme_dir).free
   room, why = _checkpoint_room(config, state_bytes, param_bytes, free)
   results: dict[str, Any] = {

@@ -189,6 +189,22 @@ class RunTest:
     assert [a[4] for a in reads] == ["skip=4", "skip=0", "skip=4"]
     assert not (tmp_path / "big_model-dd-probe").exists()
 
+  def test_a_disk_without_room_for_the_tier_and_the_probe_is_refused(
+      self, experiment, tmp_path, monkeypatch):
+    config = experiment(big_model)(f"--nvme_dir={tmp_path}", "--n_layer=2",
+                                   "--dd_probe_bytes=1GiB")
+    state, params = 100 << 20, 30 << 20
+    tier = big_model._nvme_tier(config, state, params)  # room enough
+    free = tier + big_model._DISK_MARGIN + GiB  # not for 2 GiB of probe
+    usage = big_model.shutil.disk_usage(tmp_path)._replace(free=free)
+    monkeypatch.setattr(big_model.shutil, "disk_usage", lambda _: usage)
+    assert big_model._nvme_tier(config, state, params) == tier
+    with pytest.raises(big_model.app.UsageError,
+                       match=r"and dd's probe 2\.00 GiB beside it.*"
+                       r"or --dd_probe_bytes"):
+      big_model._nvme_tier(config, state, params,
+                           big_model._probe_bytes(config, probe=True))
+
   def test_config_is_frozen(self, experiment):
     config = experiment(big_model)("--nvme_dir=/var/tmp", "--n_layer=2")
     with pytest.raises(dataclasses.FrozenInstanceError):
