@@ -89,6 +89,10 @@ struct HostUpdater::Run {
   std::vector<int> in_stage, out_stage;  // index into staged, or -1
   uint64_t read_bytes_per_element = 0;
   uint64_t written_bytes_per_element = 0;
+  // The handles of the objects it reads (every object input) and writes:
+  // a run starts only once no earlier run under way writes what it touches
+  // or touches what it writes.
+  std::vector<int32_t> reads, writes;
   int64_t elements = 0;
   int64_t block = 0;
   int64_t blocks = 0;
@@ -100,7 +104,6 @@ struct HostUpdater::Run {
   bool completed = false;
   std::vector<const Worker*> ran;  // the workers that ran its blocks
   Status status;
-  int64_t started_ns = 0;
 };
 
 struct HostUpdater::Worker {
@@ -112,26 +115,30 @@ struct HostUpdater::Worker {
   std::unique_ptr<char, FreeDeleter> bounce;
 };
 
-HostUpdater::HostUpdater(int threads)
+HostUpdater::HostUpdater(int threads, bool staging)
     : threads_(threads > 0
                    ? threads
-                   : std::clamp(static_cast<int>(numa::AllowedCpus().size()),
-                                1, kMaxDefaultUpdateThreads)) {}
+                   : std::max(std::clamp(
+                                  static_cast<int>(numa::AllowedCpus().size()),
+                                  1, kMaxDefaultUpdateThreads),
+                              staging ? kMinStagingUpdateThreads : 1)) {}
 
 HostUpdater::~HostUpdater() {
   std::vector<std::shared_ptr<Run>> ended;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
-    if (active_ && !active_->completed && !active_->failed &&
-        active_->next_block < active_->blocks) {
-      active_->failed = true;
-      active_->status = Status(
+    for (const std::shared_ptr<Run>& run : active_) {
+      if (run->completed || run->failed || run->next_block >= run->blocks) {
+        continue;
+      }
+      run->failed = true;
+      run->status = Status(
           Code::kClosed,
-          RunName(active_->handle->id(), active_->job.program_id) +
+          RunName(run->handle->id(), run->job.program_id) +
               ": the pool was closed while it ran (" +
-              std::to_string(active_->next_block) + " of " +
-              std::to_string(active_->blocks) +
+              std::to_string(run->next_block) + " of " +
+              std::to_string(run->blocks) +
               " blocks started); its objects are partly updated");
     }
     for (std::shared_ptr<Run>& run : queue_) {
@@ -147,16 +154,20 @@ HostUpdater::~HostUpdater() {
   for (std::unique_ptr<Worker>& worker : workers_) {
     if (worker->thread.joinable()) worker->thread.join();
   }
-  std::shared_ptr<Run> active;
+  std::vector<std::shared_ptr<Run>> unfinished;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (active_ && !active_->completed) {
-      active_->completed = true;  // no worker took its last block
-      active = active_;
+    for (const std::shared_ptr<Run>& run : active_) {
+      if (!run->completed) {
+        run->completed = true;  // no worker took its last block
+        unfinished.push_back(run);
+      }
     }
-    active_.reset();
+    if (!active_.empty()) stats_.busy_ns += NowNs() - busy_since_ns_;
+    active_.clear();
   }
-  if (active) Complete(active);  // in order: it came before the queued
+  // In order: the active runs came before the queued ones.
+  for (const std::shared_ptr<Run>& run : unfinished) Complete(run);
   for (const std::shared_ptr<Run>& run : ended) Complete(run);
 }
 
@@ -234,6 +245,7 @@ StatusOr<std::shared_ptr<UpdateRun>> HostUpdater::Submit(UpdateJob job) {
       run->staged[run->in_stage[i]].read = true;
     }
     if (read[i]) run->read_bytes_per_element += ItemBytes(target.dtype);
+    run->reads.push_back(target.handle);
   }
   run->out.resize(program.outputs.size());
   run->out_stage.assign(program.outputs.size(), -1);
@@ -245,6 +257,7 @@ StatusOr<std::shared_ptr<UpdateRun>> HostUpdater::Submit(UpdateJob job) {
       run->staged[run->out_stage[o]].written = true;
     }
     run->written_bytes_per_element += ItemBytes(target.dtype);
+    run->writes.push_back(target.handle);
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) {
@@ -265,16 +278,47 @@ StatusOr<std::shared_ptr<UpdateRun>> HostUpdater::Submit(UpdateJob job) {
   run->blocks = std::max<int64_t>(
       1, (run->elements + run->block - 1) / run->block);
   queue_.push_back(run);
-  Activate();
+  Admit();
   return run->handle;
 }
 
-void HostUpdater::Activate() {
-  if (active_ || queue_.empty()) return;
-  active_ = std::move(queue_.front());
-  queue_.pop_front();
-  active_->started_ns = NowNs();
-  cv_.notify_all();
+bool HostUpdater::Conflict(const Run& run, const Run& other) {
+  auto meets = [](const std::vector<int32_t>& a,
+                  const std::vector<int32_t>& b) {
+    return std::find_first_of(a.begin(), a.end(), b.begin(), b.end()) !=
+           a.end();
+  };
+  return meets(run.writes, other.reads) || meets(run.writes, other.writes) ||
+         meets(run.reads, other.writes);
+}
+
+void HostUpdater::Admit() {
+  bool admitted = false;
+  while (!queue_.empty()) {
+    // Only once every block of the runs under way is taken: a run's blocks
+    // go before a later run's.
+    const bool blocks_left = std::any_of(
+        active_.begin(), active_.end(), [](const std::shared_ptr<Run>& run) {
+          return !run->failed && run->next_block < run->blocks;
+        });
+    if (blocks_left) break;
+    const Run& next = *queue_.front();
+    if (std::any_of(active_.begin(), active_.end(),
+                    [&](const std::shared_ptr<Run>& run) {
+                      return Conflict(next, *run);
+                    })) {
+      break;  // it waits for them: later runs wait behind it, in order
+    }
+    if (active_.empty()) {
+      busy_since_ns_ = NowNs();
+    } else {
+      ++stats_.overlapped;
+    }
+    active_.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+    admitted = true;
+  }
+  if (admitted) cv_.notify_all();
 }
 
 void HostUpdater::WorkerLoop(Worker* worker) {
@@ -284,20 +328,27 @@ void HostUpdater::WorkerLoop(Worker* worker) {
     int64_t block = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      // The earliest active run with a block this worker may take.
+      auto takeable = [&] {
+        return std::find_if(
+            active_.begin(), active_.end(),
+            [&](const std::shared_ptr<Run>& r) {
+              return !r->failed && r->next_block < r->blocks &&
+                     Eligible(*r, *worker);
+            });
+      };
       cv_.wait(lock, [&] {
-        return stopping_ ||
-               (!held_ && active_ && !active_->failed &&
-                active_->next_block < active_->blocks &&
-                Eligible(*active_, *worker));
+        return stopping_ || (!held_ && takeable() != active_.end());
       });
       if (stopping_) break;
-      run = active_;
+      run = *takeable();
       block = run->next_block++;
       ++run->in_progress;
       if (std::find(run->ran.begin(), run->ran.end(), worker) ==
           run->ran.end()) {
         run->ran.push_back(worker);
       }
+      if (run->next_block == run->blocks) Admit();  // its last block is taken
     }
     Status status = RunBlock(*run, block, *worker);
     std::shared_ptr<Run> finished;
@@ -305,18 +356,20 @@ void HostUpdater::WorkerLoop(Worker* worker) {
       std::lock_guard<std::mutex> lock(mu_);
       --run->in_progress;
       if (!status.ok() && !run->failed) {
-        run->failed = true;
+        run->failed = true;  // its blocks left are not taken
         run->status = Status(
             status.code(),
             RunName(run->handle->id(), run->job.program_id) + ": " +
                 status.message());
+        if (!stopping_) Admit();
       }
       if (run->in_progress == 0 && !run->completed &&
           (run->failed || run->next_block >= run->blocks)) {
         run->completed = true;
         finished = run;
-        active_.reset();
-        if (!stopping_) Activate();  // the next run, in order
+        active_.erase(std::find(active_.begin(), active_.end(), run));
+        if (active_.empty()) stats_.busy_ns += NowNs() - busy_since_ns_;
+        if (!stopping_) Admit();  // what waited for it, in order
       }
     }
     if (finished) Complete(finished);
@@ -396,7 +449,6 @@ Status HostUpdater::RunBlock(Run& run, int64_t block, Worker& worker) {
 }
 
 void HostUpdater::Complete(const std::shared_ptr<Run>& run) {
-  const int64_t now = NowNs();
   Status status;
   int workers;
   {
@@ -411,7 +463,6 @@ void HostUpdater::Complete(const std::shared_ptr<Run>& run) {
     } else {
       ++stats_.failed;
     }
-    if (run->started_ns > 0) stats_.busy_ns += now - run->started_ns;
   }
   if (run->job.on_complete) run->job.on_complete(status);
   UpdateRun& handle = *run->handle;

@@ -51,7 +51,9 @@ Status Pool::Init() {
                   "update_threads must be >= 0 (0: one per CPU), got " +
                       std::to_string(config.update_threads));
   }
-  updates_.updater_ = std::make_unique<HostUpdater>(config.update_threads);
+  updates_.updater_ = std::make_unique<HostUpdater>(
+      config.update_threads,
+      /*staging=*/config.tiers[static_cast<int>(TierKind::kNvme)].capacity > 0);
   return Status::Ok();
 }
 

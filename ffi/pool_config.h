@@ -34,7 +34,8 @@ struct PoolConfig {
   uint64_t chunk_bytes = 4ull << 20;
   std::vector<int> copy_cpus;   // CPUs for the copy workers (empty: any)
   // Update workers (host_update.h): 0: one per CPU the process may use, at
-  // most kMaxDefaultUpdateThreads; started at the first update run.
+  // most kMaxDefaultUpdateThreads, at least kMinStagingUpdateThreads with
+  // an nvme tier; started at the first update run.
   int update_threads = 0;
   HybridOptions allocator;
 };

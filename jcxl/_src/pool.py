@@ -178,7 +178,9 @@ class Pool:
     copy_threads: copy-engine worker threads.
     chunk_bytes: size of the pieces large copies are split into.
     update_threads: threads that run update programs (``updates.run``) on
-      the pool's objects; 0: one per CPU this process may use, at most 16.
+      the pool's objects; 0: one per CPU this process may use, at most 16,
+      and at least 4 in a pool with an nvme tier (a worker staging nvme
+      objects waits on the disk; others keep it busy meanwhile).
       They start at the first run, each pinned to one NUMA node's CPUs on
       a machine of several.
     topology: the machine's NUMA topology (default: discovered from /sys).

@@ -30,7 +30,7 @@ class UpdateStats:
     bytes_read: object bytes the programs read (not counted in the tiers'
       bytes_read: those are what crosses the device link).
     bytes_written: object bytes the programs wrote.
-    busy_ns: wall time of the runs, summed (start to end of each).
+    busy_ns: wall time while any run was under way.
     threads: update threads started so far (0 before the first run).
   """
   runs: int
@@ -146,8 +146,10 @@ class PoolUpdates:
   def run(self, program_id: int, scalars: Any = ()) -> UpdateRun:
     """Starts a run of program `program_id`; ``wait()`` on the result.
 
-    Runs go one at a time, in the order started, over the pool's update
-    threads. The program's objects are pinned until the run is done
+    Runs are split in blocks over the pool's update threads. Runs that
+    share an object run in the order started (a run reading what an
+    earlier one wrote sees all of it); a run sharing none with the runs
+    under way starts as their last blocks are taken. The program's objects are pinned until the run is done
     (``free`` and ``compact`` wait for it).
 
     Args:
