@@ -465,7 +465,11 @@ class DiskProbe:
     self.block = block
     self.count = max(1, nbytes // block)
     self._half = 0
-    _dd_write(self.path, block, 2 * self.count)
+    try:
+      _dd_write(self.path, block, 2 * self.count)
+    except BaseException:
+      self.__exit__()  # not entered yet: the file would stay behind
+      raise
 
   def measure(self) -> dict[str, float]:
     write, read = self._half, 1 - self._half

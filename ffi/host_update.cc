@@ -104,6 +104,8 @@ struct HostUpdater::Run {
   bool completed = false;
   std::vector<const Worker*> ran;  // the workers that ran its blocks
   Status status;
+  // Whether a worker may still take a block of it; mu_ held.
+  bool blocks_left() const { return !failed && next_block < blocks; }
 };
 
 struct HostUpdater::Worker {
@@ -129,9 +131,7 @@ HostUpdater::~HostUpdater() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     for (const std::shared_ptr<Run>& run : active_) {
-      if (run->completed || run->failed || run->next_block >= run->blocks) {
-        continue;
-      }
+      if (run->completed || !run->blocks_left()) continue;
       run->failed = true;
       run->status = Status(
           Code::kClosed,
@@ -297,11 +297,12 @@ void HostUpdater::Admit() {
   while (!queue_.empty()) {
     // Only once every block of the runs under way is taken: a run's blocks
     // go before a later run's.
-    const bool blocks_left = std::any_of(
-        active_.begin(), active_.end(), [](const std::shared_ptr<Run>& run) {
-          return !run->failed && run->next_block < run->blocks;
-        });
-    if (blocks_left) break;
+    if (std::any_of(active_.begin(), active_.end(),
+                    [](const std::shared_ptr<Run>& run) {
+                      return run->blocks_left();
+                    })) {
+      break;
+    }
     const Run& next = *queue_.front();
     if (std::any_of(active_.begin(), active_.end(),
                     [&](const std::shared_ptr<Run>& run) {
@@ -333,8 +334,7 @@ void HostUpdater::WorkerLoop(Worker* worker) {
         return std::find_if(
             active_.begin(), active_.end(),
             [&](const std::shared_ptr<Run>& r) {
-              return !r->failed && r->next_block < r->blocks &&
-                     Eligible(*r, *worker);
+              return r->blocks_left() && Eligible(*r, *worker);
             });
       };
       cv_.wait(lock, [&] {
@@ -363,8 +363,7 @@ void HostUpdater::WorkerLoop(Worker* worker) {
                 status.message());
         if (!stopping_) Admit();
       }
-      if (run->in_progress == 0 && !run->completed &&
-          (run->failed || run->next_block >= run->blocks)) {
+      if (run->in_progress == 0 && !run->completed && !run->blocks_left()) {
         run->completed = true;
         finished = run;
         active_.erase(std::find(active_.begin(), active_.end(), run));

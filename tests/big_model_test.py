@@ -69,6 +69,14 @@ class SizeTest:
     assert bounds.largest_blocks_that_fit(
         free, with_checkpoint=False, **args) > n
 
+  @pytest.mark.parametrize("value,message", [
+      ("lots", "must be a byte count"), ("-1", "must not be negative")])
+  def test_bad_dd_probe_bytes_are_refused(self, experiment, value, message):
+    with pytest.raises(big_model.app.UsageError,
+                       match=f"--dd_probe_bytes {message}"):
+      experiment(big_model)("--nvme_dir=/var/tmp",
+                            f"--dd_probe_bytes={value}")
+
   def test_host_update_needs_a_memory_tier(self, experiment):
     with pytest.raises(Exception, match="--update=host needs a memory tier"):
       experiment(big_model)("--nvme_dir=/var/tmp", "--fast_tier=none")
@@ -187,6 +195,16 @@ class RunTest:
     reads = [a for a in calls[1:] if "of=/dev/null" in a]
     assert [a[4] for a in writes] == ["seek=0", "seek=4", "seek=0"]
     assert [a[4] for a in reads] == ["skip=4", "skip=0", "skip=4"]
+    assert not (tmp_path / "big_model-dd-probe").exists()
+
+  def test_a_probe_whose_first_dd_fails_leaves_no_file(self, tmp_path,
+                                                       monkeypatch):
+    def failing(args):
+      (tmp_path / "big_model-dd-probe").write_bytes(b"partly")
+      raise RuntimeError("dd: No space left on device")
+    monkeypatch.setattr(big_model, "_dd", failing)
+    with pytest.raises(RuntimeError, match="No space left"):
+      big_model.DiskProbe(str(tmp_path), 1 << 20, 1 << 18)
     assert not (tmp_path / "big_model-dd-probe").exists()
 
   def test_a_disk_without_room_for_the_tier_and_the_probe_is_refused(

@@ -149,8 +149,9 @@ class PoolUpdates:
     Runs are split in blocks over the pool's update threads. Runs that
     share an object run in the order started (a run reading what an
     earlier one wrote sees all of it); a run sharing none with the runs
-    under way starts as their last blocks are taken. The program's objects are pinned until the run is done
-    (``free`` and ``compact`` wait for it).
+    under way starts as their last blocks are taken. The program's
+    objects are pinned until the run is done (``free`` and ``compact``
+    wait for it).
 
     Args:
       program_id: what ``register`` returned.
