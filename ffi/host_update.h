@@ -48,8 +48,8 @@ constexpr int kMaxDefaultUpdateThreads = 16;
 // The fewest it starts by default in a pool with an nvme tier: a staged
 // block's worker waits on the disk while it reads and writes, and the
 // disk is kept busy only while others have requests in flight (on a 2-CPU
-// machine's virtual disk, 4 workers moved 1.07 to 1.2x what 2 did, 8 4%
-// more than 4).
+// machine's virtual disk, 4 workers moved a median 1.15x what 2 did, 8
+// 1.04x what 4 did).
 constexpr int kMinStagingUpdateThreads = 4;
 // Staging per nvme array and worker (a block of that many bytes of f32).
 constexpr uint64_t kStageBytes = 4ull << 20;
