@@ -312,8 +312,12 @@ void HostUpdater::Admit() {
     }
     if (active_.empty()) {
       busy_since_ns_ = NowNs();
-    } else {
-      ++stats_.overlapped;
+    }
+    if (std::any_of(active_.begin(), active_.end(),
+                    [](const std::shared_ptr<Run>& run) {
+                      return !run->completed;
+                    })) {
+      ++stats_.overlapped;  // not one only finishing its on_complete
     }
     active_.push_back(std::move(queue_.front()));
     queue_.pop_front();
@@ -366,14 +370,96 @@ void HostUpdater::WorkerLoop(Worker* worker) {
       if (run->in_progress == 0 && !run->completed && !run->blocks_left()) {
         run->completed = true;
         finished = run;
-        active_.erase(std::find(active_.begin(), active_.end(), run));
-        if (active_.empty()) stats_.busy_ns += NowNs() - busy_since_ns_;
-        if (!stopping_) Admit();  // what waited for it, in order
       }
     }
-    if (finished) Complete(finished);
+    if (finished) Finish(finished);
   }
 }
+
+void HostUpdater::Promote(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = std::find_if(queue_.begin(), queue_.end(),
+                         [&](const std::shared_ptr<Run>& run) {
+                           return run->handle->id() == id;
+                         });
+  if (it == queue_.end() || it == queue_.begin()) return;
+  // From it back to the front: a run before it that uses what a moved one
+  // writes, or writes what it uses, moves too (and stays before it).
+  std::vector<std::shared_ptr<Run>> moved = {*it};
+  std::deque<std::shared_ptr<Run>> stay;
+  for (auto back = std::make_reverse_iterator(it); back != queue_.rend();
+       ++back) {
+    const bool follows = std::any_of(
+        moved.begin(), moved.end(),
+        [&](const std::shared_ptr<Run>& later) {
+          return Conflict(**back, *later);
+        });
+    if (follows) {
+      moved.push_back(*back);
+    } else {
+      stay.push_front(*back);
+    }
+  }
+  std::deque<std::shared_ptr<Run>> queue(moved.rbegin(), moved.rend());
+  queue.insert(queue.end(), stay.begin(), stay.end());
+  queue.insert(queue.end(), std::next(it), queue_.end());
+  queue_.swap(queue);
+  Admit();
+}
+
+std::vector<uint64_t> HostUpdater::queued_runs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> ids;
+  for (const std::shared_ptr<Run>& run : queue_) ids.push_back(run->handle->id());
+  return ids;
+}
+
+void HostUpdater::Finish(const std::shared_ptr<Run>& run) {
+  // Its on_complete first, while it is still active: a run that uses its
+  // objects starts only after, and one submitted meanwhile queues behind
+  // it (and is skipped below if it failed).
+  Complete(run);
+  std::vector<std::shared_ptr<Run>> skipped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_.erase(std::find(active_.begin(), active_.end(), run));
+    if (active_.empty()) stats_.busy_ns += NowNs() - busy_since_ns_;
+    if (!run->status.ok() && !stopping_) skipped = SkipFollowers(*run);
+    if (!stopping_) Admit();  // what waited for it, in order
+  }
+  for (const std::shared_ptr<Run>& follower : skipped) Complete(follower);
+}
+
+std::vector<std::shared_ptr<HostUpdater::Run>> HostUpdater::SkipFollowers(
+    const Run& failed) {
+  // A queued run that uses what a failed (or skipped) run writes, or
+  // writes what it uses, would carry on from bytes that are not what the
+  // runs before it say: it is not run, and its own followers neither.
+  std::vector<const Run*> behind = {&failed};
+  std::vector<std::shared_ptr<Run>> skipped;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    Run& run = **it;
+    const auto after = std::find_if(
+        behind.begin(), behind.end(),
+        [&](const Run* earlier) { return Conflict(run, *earlier); });
+    if (after == behind.end()) {
+      ++it;
+      continue;
+    }
+    run.completed = true;
+    run.failed = true;
+    run.status = Status(
+        Code::kInvalidArgument,
+        RunName(run.handle->id(), run.job.program_id) +
+            ": not run: it follows, on an object both use, a run that "
+            "failed (" + (*after)->status.message() + ")");
+    behind.push_back(&run);
+    skipped.push_back(std::move(*it));
+    it = queue_.erase(it);
+  }
+  return skipped;
+}
+
 
 Status HostUpdater::RunBlock(Run& run, int64_t block, Worker& worker) {
   const UpdateProgram& program = *run.job.program;

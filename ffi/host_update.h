@@ -127,6 +127,13 @@ class HostUpdater {
   // cannot start or the updater is stopping.
   StatusOr<std::shared_ptr<UpdateRun>> Submit(UpdateJob job);
   UpdateStats stats();
+  // Moves queued run `id` to the front of the queue, with the queued runs
+  // before it that it follows (Conflict, transitively) kept before it: a
+  // reader waits for it. Runs that share an object stay in the order they
+  // were submitted. Nothing if it is not queued.
+  void Promote(uint64_t id);
+  // The ids of the queued runs, in order (a test's view).
+  std::vector<uint64_t> queued_runs();
   // The workers a first run starts (resolved from the constructor's).
   int threads() const { return threads_; }
   // A test hook: while held, workers take no new block (runs queue up).
@@ -147,6 +154,12 @@ class HostUpdater {
   static bool Conflict(const Run& run, const Run& other);
   // Ends `run`: stats, on_complete, waiters; never with mu_ held.
   void Complete(const std::shared_ptr<Run>& run);
+  // A worker's end of `run` (its last block done): Complete, then out of
+  // active_, its failure passed on to its followers; mu_ not held.
+  void Finish(const std::shared_ptr<Run>& run);
+  // Takes the queued runs that follow failed `run` (Conflict) out of the
+  // queue, failed, for Complete; mu_ held.
+  std::vector<std::shared_ptr<Run>> SkipFollowers(const Run& run);
   bool Eligible(const Run& run, const Worker& worker) const;
 
   const int threads_;

@@ -433,6 +433,7 @@ NB_MODULE(_jcxl, m) {
       .def_rw("chunk_bytes", &PoolConfig::chunk_bytes)
       .def_rw("copy_cpus", &PoolConfig::copy_cpus)
       .def_rw("update_threads", &PoolConfig::update_threads)
+      .def_rw("run_wait_ns", &PoolConfig::run_wait_ns)
       .def_prop_rw(
           "slab_max_bytes",
           [](const PoolConfig& c) { return c.allocator.slab_max_bytes; },
@@ -517,9 +518,17 @@ NB_MODULE(_jcxl, m) {
              uint64_t offset, int priority, uint64_t chunk_bytes,
              nb::handle owner) {
             LentBuffers::Release();
-            return Unwrap(p.transfers().Write(
-                handle, reinterpret_cast<const void*>(src), bytes, offset,
-                priority, chunk_bytes, LentBuffers::Lend(owner)));
+            std::shared_ptr<void> lent = LentBuffers::Lend(owner);
+            StatusOr<std::shared_ptr<Ticket>> ticket(
+                std::shared_ptr<Ticket>{});
+            {
+              // It waits for the update runs it follows (and compaction).
+              nb::gil_scoped_release release;
+              ticket = p.transfers().Write(
+                  handle, reinterpret_cast<const void*>(src), bytes, offset,
+                  priority, chunk_bytes, std::move(lent));
+            }
+            return Unwrap(std::move(ticket));
           },
           nb::arg("handle"), nb::arg("src"), nb::arg("bytes"),
           nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
@@ -530,9 +539,17 @@ NB_MODULE(_jcxl, m) {
              uint64_t offset, int priority, uint64_t chunk_bytes,
              nb::handle owner) {
             LentBuffers::Release();
-            return Unwrap(p.transfers().Read(
-                handle, reinterpret_cast<void*>(dst), bytes, offset, priority,
-                chunk_bytes, LentBuffers::Lend(owner)));
+            std::shared_ptr<void> lent = LentBuffers::Lend(owner);
+            StatusOr<std::shared_ptr<Ticket>> ticket(
+                std::shared_ptr<Ticket>{});
+            {
+              // It waits for the update runs it follows (and a refresh).
+              nb::gil_scoped_release release;
+              ticket = p.transfers().Read(
+                  handle, reinterpret_cast<void*>(dst), bytes, offset,
+                  priority, chunk_bytes, std::move(lent));
+            }
+            return Unwrap(std::move(ticket));
           },
           nb::arg("handle"), nb::arg("dst"), nb::arg("bytes"),
           nb::arg("offset"), nb::arg("priority"), nb::arg("chunk_bytes"),
@@ -606,6 +623,19 @@ NB_MODULE(_jcxl, m) {
           },
           nb::arg("program_id"), nb::arg("scalars"))
       .def("update_stats", [](Pool& p) { return p.updates().update_stats(); })
+      .def(
+          "wait_for_updates",
+          [](Pool& p, double timeout_s) {
+            const int64_t timeout_ns = SecondsToNs(timeout_s);
+            Status status;
+            {
+              nb::gil_scoped_release release;
+              status = p.updates().WaitForRuns(timeout_ns);
+            }
+            ThrowIfError(status);
+          },
+          nb::arg("timeout_s"),
+          "Waits until every update run started on the pool is done.")
       .def(
           "hold_updates",
           [](Pool& p, bool hold) {

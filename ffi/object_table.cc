@@ -324,6 +324,60 @@ Status ObjectTable::CheckWritable(int32_t handle, const Object& object) {
                     "; write the source (the copy follows it)");
 }
 
+bool ObjectTable::Follows(const Object& object, Direction direction) {
+  const bool writing = direction == Direction::kToPool;
+  return std::any_of(object.runs.begin(), object.runs.end(),
+                     [&](const std::pair<uint64_t, bool>& run) {
+                       return writing || run.second;
+                     });
+}
+
+Status ObjectTable::AwaitRuns(std::unique_lock<std::mutex>& lock,
+                              int32_t handle, Direction direction) {
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::nanoseconds(std::min(config_.run_wait_ns, kMaxTimeoutNs));
+  bool late = false;
+  std::vector<uint64_t> promoted;
+  for (;;) {
+    // Anew after each wait: the object may have been freed meanwhile.
+    StatusOr<Object*> found = Lookup(handle);
+    if (!found.ok()) return found.status();
+    const Object& object = **found;
+    if (!Follows(object, direction)) {
+      if (direction == Direction::kFromPool && !object.damage.empty()) {
+        return Status(Code::kInvalidArgument,
+                      Label(handle, object) + " cannot be read: " +
+                          object.damage);
+      }
+      return Status::Ok();
+    }
+    if (late) {
+      const auto& [run, writes] = object.runs.front();
+      return Status(Code::kTimeout,
+                    Label(handle, object) + ": update run " +
+                        std::to_string(run) + ", which " +
+                        (writes ? "writes" : "reads") +
+                        " it, was not done after " +
+                        std::to_string(config_.run_wait_ns / 1000000) +
+                        " ms");
+    }
+    // What it waits for goes first (its runs are queued in the order the
+    // step's backward pass made them; a forward pass wants them reversed).
+    if (promote_run_) {
+      for (const auto& [run, writes] : object.runs) {
+        if ((writes || direction == Direction::kToPool) &&
+            std::find(promoted.begin(), promoted.end(), run) ==
+                promoted.end()) {
+          promote_run_(run);
+          promoted.push_back(run);
+        }
+      }
+    }
+    late = unpinned_cv_.wait_until(lock, deadline) == std::cv_status::timeout;
+  }
+}
+
 Status ObjectTable::WaitUnpinned(std::unique_lock<std::mutex>& lock,
                                  int64_t timeout_ns, int64_t index) {
   // By index, not by pointer: while the lock is released, the object may
@@ -394,6 +448,17 @@ void ObjectTable::CompactIfFragmented(Tier& tier, size_t a) {
       kCompactAboveHoleFraction * static_cast<double>(extents.top())) {
     Status status = CompactArena(tier, a, kCompactBytesPerFree);
     (void)status;  // a memory arena's moves cannot fail
+  }
+}
+
+StatusOr<ObjectTable::Object*> ObjectTable::LookupAfterRuns(
+    std::unique_lock<std::mutex>& lock, int32_t handle, uint64_t bytes,
+    uint64_t offset, Direction direction) {
+  for (;;) {
+    JCXL_RETURN_IF_ERROR(AwaitRuns(lock, handle, direction));
+    StatusOr<Object*> found = LookupRange(lock, handle, bytes, offset);
+    // A run may have started while LookupRange waited for a compaction.
+    if (!found.ok() || !Follows(**found, direction)) return found;
   }
 }
 

@@ -15,6 +15,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -131,6 +132,14 @@ class ObjectTable {
     // again under each other's reads.
     std::shared_ptr<UpdateRun> refreshing;
     uint64_t refreshing_writes = kStale;
+    // The update runs started on it and not yet done, by run id, and
+    // whether each writes it: transfers wait for the runs they follow
+    // (AwaitRuns), so a run may outlive the step that started it.
+    std::vector<std::pair<uint64_t, bool>> runs;
+    // Why its bytes are not what the runs started on it say (a run that
+    // writes it failed, or was not run), or empty. A read fails with it; a
+    // write of the whole object clears it.
+    std::string damage;
   };
   static constexpr uint64_t kStale = UINT64_MAX;
 
@@ -141,6 +150,11 @@ class ObjectTable {
   StatusOr<Object*> Lookup(int32_t handle);
   // Lookup, once no compaction runs, checking that bytes [offset, offset +
   // bytes) lie in the object; `lock` holds mu_.
+  // LookupRange once no update run it follows is left (AwaitRuns): the
+  // transfer in `direction` that it starts then comes after them.
+  StatusOr<Object*> LookupAfterRuns(std::unique_lock<std::mutex>& lock,
+                                    int32_t handle, uint64_t bytes,
+                                    uint64_t offset, Direction direction);
   StatusOr<Object*> LookupRange(std::unique_lock<std::mutex>& lock,
                                 int32_t handle, uint64_t bytes,
                                 uint64_t offset);
@@ -150,6 +164,14 @@ class ObjectTable {
   void Unpin(uint32_t index, int tier, Direction direction, uint64_t bytes);
   // Refuses a write of a copy by anything but the pool; caller holds mu_.
   Status CheckWritable(int32_t handle, const Object& object);
+  // Whether an update run not yet done writes `object` (before a read,
+  // kFromPool) or uses it (before a write); caller holds mu_.
+  static bool Follows(const Object& object, Direction direction);
+  // Waits, releasing `lock` (mu_), until no update run `handle`'s transfer
+  // in `direction` follows is left (Follows), up to config_.run_wait_ns;
+  // then fails a read of a damaged object.
+  Status AwaitRuns(std::unique_lock<std::mutex>& lock, int32_t handle,
+                   Direction direction);
   // Waits for the transfers of object `index` (all objects if negative).
   Status WaitUnpinned(std::unique_lock<std::mutex>& lock, int64_t timeout_ns,
                       int64_t index);
@@ -185,6 +207,9 @@ class ObjectTable {
   Tier tiers_[kNumTiers];
   // Live objects by handle index (node-based: an Object never moves).
   std::unordered_map<uint32_t, Object> objects_;
+  // Set by the update service: moves a queued update run ahead, as a
+  // transfer waits for it (AwaitRuns); called with mu_ held.
+  std::function<void(uint64_t)> promote_run_;
   // Pages locked for DMA engines (direct_access.h): a free keeps them.
   PageLocks page_locks_;
 };

@@ -54,6 +54,10 @@ Status Pool::Init() {
   updates_.updater_ = std::make_unique<HostUpdater>(
       config.update_threads,
       /*staging=*/config.tiers[static_cast<int>(TierKind::kNvme)].capacity > 0);
+  // Under the table's mutex, which guards updater_ (Close takes it away).
+  table_.promote_run_ = [this](uint64_t run) {
+    if (updates_.updater_) updates_.updater_->Promote(run);
+  };
   return Status::Ok();
 }
 

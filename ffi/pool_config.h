@@ -37,6 +37,9 @@ struct PoolConfig {
   // most kMaxDefaultUpdateThreads, at least kMinStagingUpdateThreads with
   // an nvme tier; started at the first update run.
   int update_threads = 0;
+  // How long a transfer waits for the update runs it must follow (see
+  // ObjectTable::AwaitRuns) before it fails.
+  int64_t run_wait_ns = int64_t{1} << 60;
   HybridOptions allocator;
 };
 

@@ -27,4 +27,15 @@ Status PoolTestHooks::HoldUpdates(bool hold) {
   return Status::Ok();
 }
 
+std::vector<uint64_t> PoolTestHooks::QueuedRuns() {
+  std::lock_guard<std::mutex> lock(table_.mu_);
+  return updates_.updater_ ? updates_.updater_->queued_runs()
+                           : std::vector<uint64_t>{};
+}
+
+void PoolTestHooks::PromoteRun(uint64_t id) {
+  std::lock_guard<std::mutex> lock(table_.mu_);
+  if (table_.promote_run_) table_.promote_run_(id);
+}
+
 }  // namespace jcxl

@@ -5,6 +5,7 @@
 #define JCXL_FFI_POOL_TEST_HOOKS_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "copy_engine.h"
 #include "object_table.h"
@@ -27,6 +28,10 @@ class PoolTestHooks {
   uint64_t faults_injected();
   // While held, update workers take no new block of a run.
   Status HoldUpdates(bool hold);
+  // The ids of the update runs queued (not yet started), in order.
+  std::vector<uint64_t> QueuedRuns();
+  // As a transfer that waits for run `id` does (HostUpdater::Promote).
+  void PromoteRun(uint64_t id);
 
  private:
   ObjectTable& table_;

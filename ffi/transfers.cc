@@ -18,6 +18,12 @@ StatusOr<std::shared_ptr<Ticket>> Transfers::Read(int32_t handle, void* dst,
                                                   uint64_t offset, int priority,
                                                   uint64_t chunk_bytes,
                                                   std::shared_ptr<void> owner) {
+  {
+    // First: a copy a run is writing is fresh once it is done.
+    std::unique_lock<std::mutex> lock(table_.mu_);
+    JCXL_RETURN_IF_ERROR(
+        table_.AwaitRuns(lock, handle, Direction::kFromPool));
+  }
   JCXL_RETURN_IF_ERROR(updates_.RefreshIfStale(handle));
   return Transfer(handle, dst, bytes, offset, priority, chunk_bytes,
                   Direction::kFromPool, std::move(owner));
@@ -27,12 +33,16 @@ StatusOr<std::shared_ptr<Ticket>> Transfers::Transfer(
     int32_t handle, void* buffer, uint64_t bytes, uint64_t offset, int priority,
     uint64_t chunk_bytes, Direction direction, std::shared_ptr<void> owner) {
   std::unique_lock<std::mutex> lock(table_.mu_);
-  StatusOr<ObjectTable::Object*> found =
-      table_.LookupRange(lock, handle, bytes, offset);
+  StatusOr<ObjectTable::Object*> found = table_.LookupAfterRuns(
+      lock, handle, bytes, offset, direction);
   if (!found.ok()) return found.status();
   ObjectTable::Object* object = *found;
   if (direction == Direction::kToPool) {
     JCXL_RETURN_IF_ERROR(table_.CheckWritable(handle, *object));
+    // The whole object rewritten: what a failed run left is gone.
+    if (offset == 0 && bytes == object->allocation.bytes) {
+      object->damage.clear();
+    }
   }
   if (bytes > 0 && buffer == nullptr) {
     return Status(Code::kInvalidArgument,

@@ -131,6 +131,9 @@ ffi::Error WaitUpdateRun(const char* handler, uint64_t id,
                            " is waiting for its done: it was already waited "
                            "for, or the token is not a jcxl_update_start's"));
   }
+  // Left to the pool: what reads or writes its objects later waits for it
+  // (ObjectTable::AwaitRuns), and fails where it failed.
+  if (timeout_ms < 0) return ffi::Error::Success();
   // A run that times out keeps running (it touches only pool objects, never
   // the step's buffers); the step fails and its objects are not ready.
   Status status = run->Wait(TimeoutNs(timeout_ms));

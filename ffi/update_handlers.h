@@ -34,7 +34,8 @@ namespace jcxl {
 ffi::ErrorOr<uint64_t> StartUpdateRun(const char* handler, int32_t pool_id,
                                       int32_t program, const float* scalars,
                                       int64_t count);
-// Takes the run filed under `id` and waits for it.
+// Takes the run filed under `id` and waits for it (`timeout_ms` < 0: does
+// not; the pool orders later transfers of its objects after it).
 ffi::Error WaitUpdateRun(const char* handler, uint64_t id,
                          int64_t timeout_ms);
 

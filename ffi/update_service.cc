@@ -1,6 +1,7 @@
 #include "update_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <utility>
 
@@ -271,6 +272,12 @@ StatusOr<std::shared_ptr<UpdateRun>> UpdateService::StartProgram(
     *target = *found;
     const ObjectTable::Object& object =
         table_.objects_.at(ObjectTable::IndexOf(handle));
+    if (!object.damage.empty()) {
+      // It would carry what a failed run left on, as if it were right.
+      return Status(Code::kInvalidArgument,
+                    name + ": " + role + ": " + table_.Label(handle, object) +
+                        " cannot be used: " + object.damage);
+    }
     if (target->memory != nullptr) {
       const int arena_node =
           table_.tiers_[object.tier].arenas[object.arena].node;
@@ -315,16 +322,29 @@ StatusOr<std::shared_ptr<UpdateRun>> UpdateService::StartProgram(
                           ObjectTable::IndexOf(source));
     }
   }
-  job.on_complete = [this, pinned, written, copies](const Status& status) {
+  // Its id, set below once Submit gives it (before on_complete can run:
+  // that takes the table's mutex, held here).
+  auto run_id = std::make_shared<uint64_t>(0);
+  job.on_complete = [this, pinned, written, copies,
+                     run_id](const Status& status) {
     {
       std::lock_guard<std::mutex> relock(table_.mu_);
       for (uint32_t index : pinned) {
         auto found = table_.objects_.find(index);
-        if (found != table_.objects_.end()) --found->second.pins;
+        if (found == table_.objects_.end()) continue;
+        --found->second.pins;
+        std::vector<std::pair<uint64_t, bool>>& runs = found->second.runs;
+        runs.erase(std::remove_if(runs.begin(), runs.end(),
+                                  [&](const std::pair<uint64_t, bool>& r) {
+                                    return r.first == *run_id;
+                                  }),
+                   runs.end());
       }
       for (uint32_t index : written) {
         auto found = table_.objects_.find(index);
-        if (found != table_.objects_.end()) ++found->second.writes;
+        if (found == table_.objects_.end()) continue;
+        ++found->second.writes;
+        if (!status.ok()) found->second.damage = status.message();
       }
       for (const auto& [copy, source] : copies) {
         auto c = table_.objects_.find(copy);
@@ -335,6 +355,7 @@ StatusOr<std::shared_ptr<UpdateRun>> UpdateService::StartProgram(
         }
       }
       table_.total_pins_ -= static_cast<int>(pinned.size());
+      --runs_not_done_;
     }
     table_.unpinned_cv_.notify_all();
   };
@@ -347,8 +368,30 @@ StatusOr<std::shared_ptr<UpdateRun>> UpdateService::StartProgram(
     for (uint32_t index : pinned) --table_.objects_.at(index).pins;
     table_.total_pins_ -= static_cast<int>(pinned.size());
     table_.unpinned_cv_.notify_all();
+    return run;
+  }
+  // Until it is done, transfers of its objects wait for it (AwaitRuns).
+  ++runs_not_done_;
+  *run_id = (*run)->id();
+  for (uint32_t index : pinned) {
+    table_.objects_.at(index).runs.emplace_back(
+        *run_id,
+        std::find(written.begin(), written.end(), index) != written.end());
   }
   return run;
+}
+
+Status UpdateService::WaitForRuns(int64_t timeout_ns) {
+  std::unique_lock<std::mutex> lock(table_.mu_);
+  if (!table_.unpinned_cv_.wait_for(
+          lock, std::chrono::nanoseconds(std::min(timeout_ns, kMaxTimeoutNs)),
+          [this] { return runs_not_done_ == 0; })) {
+    return Status(Code::kTimeout,
+                  std::to_string(runs_not_done_) +
+                      " update runs still not done after " +
+                      std::to_string(timeout_ns / 1000000) + " ms");
+  }
+  return Status::Ok();
 }
 
 UpdateStats UpdateService::update_stats() {

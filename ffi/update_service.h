@@ -38,6 +38,8 @@ class UpdateService {
   StatusOr<std::shared_ptr<UpdateRun>> StartUpdate(int32_t id,
                                                    std::vector<float> scalars);
   UpdateStats update_stats();
+  // Waits until every run started is done (kTimeout past `timeout_ns`).
+  Status WaitForRuns(int64_t timeout_ns);
 
   // A copy of object `source` in `dtype` ("float32" or "bfloat16", the
   // source too), in the source's tier, that the pool keeps equal to the
@@ -77,6 +79,7 @@ class UpdateService {
   // Made by Pool::Create, taken away by Close.
   std::unique_ptr<HostUpdater> updater_;
   UpdateStats closed_update_stats_;  // what updater_ counted, once closed
+  int64_t runs_not_done_ = 0;        // started, their on_complete not run
 };
 
 }  // namespace jcxl

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -726,6 +727,173 @@ TEST(ReadersOfAStaleCopyShareOneRefresh) {
   }
   CHECK(!failed);
   CHECK_GE(pool->updates().update_stats().runs, 20u);  // one a round at least
+}
+
+// z <- x * s0 + c: reads x, writes z.
+UpdateProgram AffineInto(int64_t n, int32_t x, int32_t z, float c) {
+  UpdateProgram p = Affine(n, x, c);
+  p.outputs = {{4, z}};
+  return p;
+}
+
+// A run may outlive the step that started it: a read of what it writes
+// and a write of what it reads wait for it, whatever thread asks.
+TEST(TransfersWaitForTheRunsTheyFollow) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers(""));
+  const int64_t n = 50'000;
+  const std::vector<float> x = Iota(n), g = Iota(n, 0.5f);
+  const int32_t hx = Put(*pool, TierKind::kHost, x);
+  const int32_t hg = Put(*pool, TierKind::kCxl, g);
+  const int32_t hz = Put(*pool, TierKind::kCxl, std::vector<float>(n, 0.0f));
+  StatusOr<int32_t> on_x = pool->updates().RegisterUpdate(Affine(n, hx, 1.0f));
+  StatusOr<int32_t> g_to_z =
+      pool->updates().RegisterUpdate(AffineInto(n, hg, hz, 3.0f));
+  CHECK_OK(on_x);
+  CHECK_OK(g_to_z);
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
+  StatusOr<std::shared_ptr<UpdateRun>> a =
+      pool->updates().StartUpdate(*on_x, {2.0f});
+  StatusOr<std::shared_ptr<UpdateRun>> b =
+      pool->updates().StartUpdate(*g_to_z, {2.0f});
+  CHECK_OK(a);
+  CHECK_OK(b);
+  std::vector<float> read_x;
+  const std::vector<float> new_g(n, 7.0f);
+  std::thread reader([&] { read_x = Get(*pool, hx, n); });
+  std::thread writer([&] {
+    StatusOr<std::shared_ptr<Ticket>> ticket =
+        pool->transfers().Write(hg, new_g.data(), n * 4, 0, 0, 0);
+    CHECK_OK(ticket);
+    CHECK_OK((*ticket)->Wait(kLongWaitNs));
+  });
+  // Held: without the wait, both would be done with the old bytes by now.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(!(*a)->done());
+  CHECK(!(*b)->done());
+  CHECK_OK(pool->test_hooks().HoldUpdates(false));
+  reader.join();
+  writer.join();
+  std::vector<float> want_x = x, want_z = g;
+  for (float& v : want_x) v = v * 2.0f + 1.0f;
+  for (float& v : want_z) v = v * 2.0f + 3.0f;
+  CHECK(SameBits(read_x, want_x));
+  CHECK(SameBits(Get(*pool, hz, n), want_z));  // from g before the write
+  CHECK(SameBits(Get(*pool, hg, n), new_g));
+  CHECK_OK(pool->updates().WaitForRuns(kLongWaitNs));
+}
+
+// A queued run a transfer waits for goes first, with the queued runs it
+// follows (on a shared object) still before it; the others keep their
+// order, and the objects end as the order started says.
+TEST(ARunATransferWaitsForIsPromotedWithWhatItFollows) {
+  std::shared_ptr<Pool> pool = NewPool(Tiers("", /*update_threads=*/1));
+  const int64_t n = 1000;
+  std::vector<int32_t> h;
+  for (int k = 0; k < 5; ++k) {
+    h.push_back(Put(*pool, TierKind::kHost, Iota(n, 1.0f + k)));
+  }
+  // w, then x, y, x -> z, v.
+  std::vector<int32_t> ids;
+  for (UpdateProgram p : {Affine(n, h[0], 1.0f), Affine(n, h[1], 1.0f),
+                          Affine(n, h[2], 1.0f), AffineInto(n, h[1], h[3], 2.0f),
+                          Affine(n, h[4], 1.0f)}) {
+    StatusOr<int32_t> id = pool->updates().RegisterUpdate(std::move(p));
+    CHECK_OK(id);
+    ids.push_back(*id);
+  }
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
+  std::vector<std::shared_ptr<UpdateRun>> runs;
+  for (int32_t id : ids) {
+    StatusOr<std::shared_ptr<UpdateRun>> run =
+        pool->updates().StartUpdate(id, {2.0f});
+    CHECK_OK(run);
+    runs.push_back(*run);
+  }
+  // The first is under way (held); the rest queued in order.
+  auto id = [&](int k) { return runs[k]->id(); };
+  CHECK(pool->test_hooks().QueuedRuns() ==
+        (std::vector<uint64_t>{id(1), id(2), id(3), id(4)}));
+  pool->test_hooks().PromoteRun(id(3));
+  CHECK(pool->test_hooks().QueuedRuns() ==
+        (std::vector<uint64_t>{id(1), id(3), id(2), id(4)}));
+  pool->test_hooks().PromoteRun(id(4));
+  CHECK(pool->test_hooks().QueuedRuns() ==
+        (std::vector<uint64_t>{id(4), id(1), id(3), id(2)}));
+  pool->test_hooks().PromoteRun(id(0));  // under way: nothing moves
+  CHECK(pool->test_hooks().QueuedRuns() ==
+        (std::vector<uint64_t>{id(4), id(1), id(3), id(2)}));
+  CHECK_OK(pool->test_hooks().HoldUpdates(false));
+  for (auto& run : runs) CHECK_OK(run->Wait(kLongWaitNs));
+  std::vector<float> x = Iota(n, 2.0f), z = x;
+  for (float& v : x) v = v * 2.0f + 1.0f;
+  for (size_t k = 0; k < z.size(); ++k) z[k] = x[k] * 2.0f + 2.0f;
+  CHECK(SameBits(Get(*pool, h[1], n), x));
+  CHECK(SameBits(Get(*pool, h[3], n), z));  // from x once updated
+}
+
+// A run that fails leaves what it writes unreadable, by name, and the
+// queued runs that follow it on an object are not run; others run. A
+// write of the whole object makes it readable again.
+TEST(AFailedRunSkipsItsFollowersAndItsObjectsFailReads) {
+  TempDir dir;
+  std::shared_ptr<Pool> pool = NewPool(Tiers(dir.path()));
+  const int64_t n = 100'000;
+  const int32_t h = Put(*pool, TierKind::kNvme, Iota(n));
+  const int32_t hz = Put(*pool, TierKind::kHost, std::vector<float>(n, 0.0f));
+  const int32_t hx = Put(*pool, TierKind::kHost, Iota(n, 3.0f));
+  StatusOr<int32_t> on_h = pool->updates().RegisterUpdate(Affine(n, h, 1.0f));
+  StatusOr<int32_t> h_to_z =
+      pool->updates().RegisterUpdate(AffineInto(n, h, hz, 1.0f));
+  StatusOr<int32_t> z_to_z = pool->updates().RegisterUpdate(Affine(n, hz, 1.0f));
+  StatusOr<int32_t> on_x = pool->updates().RegisterUpdate(Affine(n, hx, 1.0f));
+  CHECK_OK(on_h);
+  CHECK_OK(h_to_z);
+  CHECK_OK(z_to_z);
+  CHECK_OK(on_x);
+  CHECK_EQ(truncate((dir.path() + "/tier.swap").c_str(), 0), 0);
+  CHECK_OK(pool->test_hooks().HoldUpdates(true));
+  std::vector<std::shared_ptr<UpdateRun>> runs;
+  for (int32_t id : {*on_h, *h_to_z, *z_to_z, *on_x}) {
+    StatusOr<std::shared_ptr<UpdateRun>> run =
+        pool->updates().StartUpdate(id, {2.0f});
+    CHECK_OK(run);
+    runs.push_back(*run);
+  }
+  CHECK_OK(pool->test_hooks().HoldUpdates(false));
+  CHECK_CODE(runs[0]->Wait(kLongWaitNs), Code::kIo);
+  for (int k : {1, 2}) {  // z from h, then z from z: neither runs
+    Status skipped = runs[k]->Wait(kLongWaitNs);
+    CHECK(!skipped.ok());
+    CHECK_CONTAINS(skipped.message(), "not run");
+    CHECK_CONTAINS(skipped.message(), "reading handle " + std::to_string(h));
+  }
+  CHECK_OK(runs[3]->Wait(kLongWaitNs));
+  std::vector<float> out(n);
+  for (int32_t bad : {h, hz}) {
+    StatusOr<std::shared_ptr<Ticket>> read =
+        pool->transfers().Read(bad, out.data(), n * 4, 0, 0, 0);
+    CHECK(!read.ok());
+    CHECK_CONTAINS(read.status().message(), "cannot be read");
+  }
+  StatusOr<std::shared_ptr<UpdateRun>> refused =
+      pool->updates().StartUpdate(*z_to_z, {2.0f});
+  CHECK(!refused.ok());
+  CHECK_CONTAINS(refused.status().message(), "cannot be used");
+  // A part rewritten is not enough; the whole object is.
+  const std::vector<float> fresh = Iota(n, 5.0f);
+  StatusOr<std::shared_ptr<Ticket>> part =
+      pool->transfers().Write(hz, fresh.data(), 4096, 0, 0, 0);
+  CHECK_OK(part);
+  CHECK_OK((*part)->Wait(kLongWaitNs));
+  CHECK(!pool->transfers().Read(hz, out.data(), n * 4, 0, 0, 0).ok());
+  StatusOr<std::shared_ptr<Ticket>> whole =
+      pool->transfers().Write(hz, fresh.data(), n * 4, 0, 0, 0);
+  CHECK_OK(whole);
+  CHECK_OK((*whole)->Wait(kLongWaitNs));
+  CHECK(SameBits(Get(*pool, hz, n), fresh));
+  std::vector<float> want_x = Iota(n, 3.0f);
+  for (float& v : want_x) v = v * 2.0f + 1.0f;
+  CHECK(SameBits(Get(*pool, hx, n), want_x));
 }
 
 TEST(CpuListsParse) {

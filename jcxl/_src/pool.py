@@ -249,6 +249,9 @@ class Pool:
     config.spill = spill
     config.copy_threads = copy_threads
     config.update_threads = update_threads
+    # A transfer that follows update runs (see PoolUpdates.wait) waits for
+    # them as long as for itself.
+    config.run_wait_ns = int(min(self._timeout_s * 1e9, 2**60))
     config.chunk_bytes = chunk
     config.copy_cpus = list(self.topology.node(
         self.topology.nearest_memory_node(node)).cpus or

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jcxl._src import dispatched
 from jcxl._src import errors
 from jcxl._src import update_program as update_program_lib
 from jcxl._src import validation
@@ -167,6 +168,35 @@ class PoolUpdates:
     run = self._native.start_update(_as_program_id(program_id),
                                     [float(v) for v in values])
     return UpdateRun(run, self._timeout_s)
+
+  def wait(self, timeout_s: float | None = None) -> None:
+    """Waits for the steps dispatched so far (from any thread), then until
+    every update run started on the pool is done.
+
+    Nothing needs it for the right values: a transfer of an object (a
+    step's fetch or store, ``get``, ``put``, a checkpoint) waits for the
+    runs not yet done that write it (or, for a write, that use it), so a
+    step made with ``cxl_offload(..., async_update=True)`` may return
+    before its host updates are done. A run that failed leaves the objects
+    it writes unreadable (ValueError naming the run) until they are
+    written whole, and the runs queued after it on them are not run.
+
+    Example:
+      >>> params, opt_state, loss = step(params, opt_state, batch)
+      >>> pool.updates.wait()   # before timing the step, or a report
+
+    Args:
+      timeout_s: seconds to wait, >= 0 (``math.inf``: no deadline); None:
+        the pool's `timeout_s`.
+
+    Raises:
+      TransferTimeoutError: runs were still under way after `timeout_s`.
+      Exception: a dispatched step's error (as ``jcxl.gather`` raises it).
+    """
+    timeout_s = (self._timeout_s if timeout_s is None else
+                 timeout_seconds(timeout_s))
+    dispatched.barrier()  # steps not yet run start none of their runs
+    self._native.wait_for_updates(timeout_s)
 
   def stats(self) -> UpdateStats:
     """What the pool's update programs did so far."""

@@ -478,8 +478,8 @@ def update_start(pool_id: int, program_id: int, scalars: Any, after: Any = None
 
 
 def update_done(token: jax.Array, after: Any = None,
-                timeout_ms: int | None = None, *, pool_id: int | None = None
-                ) -> jax.Array:
+                timeout_ms: int | None = None, *, pool_id: int | None = None,
+                wait: bool = True) -> jax.Array:
   """Waits for the update run `token` names; returns an int32[1] zero.
 
   Args:
@@ -490,7 +490,14 @@ def update_done(token: jax.Array, after: Any = None,
       None: the timeout of pool `pool_id`, or without one the default
       pool timeout (``DEFAULT_TIMEOUT_S``).
     pool_id: the run's pool, for its timeout.
+    wait: False: the step does not wait; the run is left to the pool,
+      whose later transfers of its objects wait for it (see
+      ``pool.updates.wait``).
   """
+  if not wait:
+    registry.register_ffi_targets()
+    return _update_done_call(token, _dependency(after),
+                             timeout_ms=np.int64(-1))
   if timeout_ms is None:
     if pool_id is not None:
       timeout_ms = _timeout_ms(registry.find_pool(pool_id))

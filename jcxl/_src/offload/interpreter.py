@@ -59,8 +59,10 @@ class Interpreter:
 
   def __init__(self, program: Program, fetches: FetchClusters,
                values: dict[Any, Any], schedule: schedule_lib.LayerSchedule,
-               stores: dict[Any, PoolArray], store_after: dict[Any, int]):
+               stores: dict[Any, PoolArray], store_after: dict[Any, int],
+               async_update: bool = False):
     self.program = program
+    self.async_update = async_update  # cxl_offload's
     self.fetches = fetches
     self.env = dict(values)
     self.env.update(program.consts)
@@ -302,9 +304,11 @@ class Interpreter:
         self._store(key)
     while self.stores_in_flight:
       self._store_done()
-    # The step ends once the pool holds its new state.
+    # The step ends once the pool holds its new state; or, async, once
+    # the pool has its runs (what uses their objects next waits for them).
     for pool_id, mesh, pending in self.updates_in_flight:
-      done = lambda t, pool_id=pool_id: update_done(t, pool_id=pool_id)
+      done = lambda t, pool_id=pool_id: update_done(
+          t, pool_id=pool_id, wait=not self.async_update)
       if mesh is not None:
         done = jax.shard_map(done, mesh=mesh, in_specs=P(mesh.axis_names),
                              out_specs=P(mesh.axis_names), check_vma=False)

@@ -58,8 +58,10 @@ class OffloadedStep:
                out_shardings: Any = None,
                params: call_args.Signature | None = None,
                run_order: run_order_lib.RunOrder = run_order_lib.PROCESS,
-               update: str = "device", refetch: bool | None = None):
+               update: str = "device", refetch: bool | None = None,
+               async_update: bool = False):
     self._fn = fn
+    self._async_update = async_update
     self._name = getattr(fn, "__name__", "the step")
     self._params = params or call_args.Signature(fn)
     self._in_shardings = in_shardings
@@ -149,7 +151,7 @@ class OffloadedStep:
     schedule = ahead or self._scheduler.resolve(a.segments, links)
     a.fetches.set_schedule(schedule)
     interpreter = Interpreter(a.program, a.fetches, a.values, schedule,
-                              a.stores, a.store_after)
+                              a.stores, a.store_after, self._async_update)
     interpreter.run()
     out = []
     for j, key, target in a.returned:
@@ -483,7 +485,8 @@ def cxl_offload(fn: Callable | None = None, *,
                 out_shardings: Any = None, static_argnums: Any = None,
                 static_argnames: Any = None, donate_argnums: Any = None,
                 donate_argnames: Any = None, update: str = "device",
-                refetch: bool | None = None) -> Any:
+                refetch: bool | None = None,
+                async_update: bool = False) -> Any:
   """Rewrites a step so that its pool-resident state streams from the pool.
 
   Arguments holding ``PoolArray`` leaves (placed with ``jcxl.place``) are
@@ -557,6 +560,15 @@ def cxl_offload(fn: Callable | None = None, *,
       with update='auto' the same for the layers updated on the host;
       True otherwise. ``step.plan`` says which per layer (its ``refetch``)
       and why (a line of its ``updates``).
+    async_update: for the layers updated on the host: False (the
+      default): the step returns once their new state is in the pool.
+      True: once their updates are started; what uses an object next (the
+      next step's fetch of a weight, its store of a gradient, ``get``, a
+      checkpoint) waits for that object's update alone, and the updates
+      the next step waits for go first, so its forward pass overlaps the
+      tail of the updates. The values are the same. A failed update fails
+      the next read of what it writes, naming it. ``pool.updates.wait()``
+      waits for them all (before timing a step).
 
   Returns:
     The rewritten step; ``step.plan`` is the per-layer plan it compiled
@@ -577,6 +589,9 @@ def cxl_offload(fn: Callable | None = None, *,
             parse_bytes(device_budget, name="device_budget"))
   parsed = schedule_lib.parse_schedule(schedule)
   host_update_ir.check_mode(update)
+  if not isinstance(async_update, bool):
+    raise TypeError(f"async_update must be True or False, not "
+                    f"{async_update!r}")
   if refetch is not None and not isinstance(refetch, bool):
     raise TypeError(f"refetch must be True or False (or None: chosen), "
                     f"not {refetch!r}")
@@ -588,6 +603,7 @@ def cxl_offload(fn: Callable | None = None, *,
                          call_args.Signature(f, static_argnums,
                                              static_argnames, donate_argnums,
                                              donate_argnames),
-                         update=update, refetch=refetch)
+                         update=update, refetch=refetch,
+                         async_update=async_update)
 
   return wrap if fn is None else wrap(fn)
