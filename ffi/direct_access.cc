@@ -9,14 +9,10 @@ namespace jcxl {
 StatusOr<DirectRange> DirectAccess::BeginDirect(int32_t handle, uint64_t bytes,
                                                 uint64_t offset,
                                                 Direction direction) {
-  std::unique_lock<std::mutex> lock(table_.mu_);
   if (direction == Direction::kFromPool) {
-    // First: a copy a run is writing is fresh once it is done.
-    JCXL_RETURN_IF_ERROR(table_.AwaitRuns(lock, handle, direction));
-    lock.unlock();
     JCXL_RETURN_IF_ERROR(updates_.RefreshIfStale(handle));
-    lock.lock();
   }
+  std::unique_lock<std::mutex> lock(table_.mu_);
   StatusOr<ObjectTable::Object*> found =
       table_.LookupAfterRuns(lock, handle, bytes, offset, direction);
   if (!found.ok()) return found.status();

@@ -324,11 +324,19 @@ Status ObjectTable::CheckWritable(int32_t handle, const Object& object) {
                     "; write the source (the copy follows it)");
 }
 
+namespace {
+
+// Whether a transfer in `direction` must wait for `run` (id, writes it).
+bool Blocks(const std::pair<uint64_t, bool>& run, Direction direction) {
+  return direction == Direction::kToPool || run.second;
+}
+
+}  // namespace
+
 bool ObjectTable::Follows(const Object& object, Direction direction) {
-  const bool writing = direction == Direction::kToPool;
   return std::any_of(object.runs.begin(), object.runs.end(),
                      [&](const std::pair<uint64_t, bool>& run) {
-                       return writing || run.second;
+                       return Blocks(run, direction);
                      });
 }
 
@@ -365,12 +373,12 @@ Status ObjectTable::AwaitRuns(std::unique_lock<std::mutex>& lock,
     // What it waits for goes first (its runs are queued in the order the
     // step's backward pass made them; a forward pass wants them reversed).
     if (promote_run_) {
-      for (const auto& [run, writes] : object.runs) {
-        if ((writes || direction == Direction::kToPool) &&
-            std::find(promoted.begin(), promoted.end(), run) ==
+      for (const std::pair<uint64_t, bool>& run : object.runs) {
+        if (Blocks(run, direction) &&
+            std::find(promoted.begin(), promoted.end(), run.first) ==
                 promoted.end()) {
-          promote_run_(run);
-          promoted.push_back(run);
+          promote_run_(run.first);
+          promoted.push_back(run.first);
         }
       }
     }

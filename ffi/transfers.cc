@@ -18,12 +18,6 @@ StatusOr<std::shared_ptr<Ticket>> Transfers::Read(int32_t handle, void* dst,
                                                   uint64_t offset, int priority,
                                                   uint64_t chunk_bytes,
                                                   std::shared_ptr<void> owner) {
-  {
-    // First: a copy a run is writing is fresh once it is done.
-    std::unique_lock<std::mutex> lock(table_.mu_);
-    JCXL_RETURN_IF_ERROR(
-        table_.AwaitRuns(lock, handle, Direction::kFromPool));
-  }
   JCXL_RETURN_IF_ERROR(updates_.RefreshIfStale(handle));
   return Transfer(handle, dst, bytes, offset, priority, chunk_bytes,
                   Direction::kFromPool, std::move(owner));

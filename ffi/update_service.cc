@@ -66,6 +66,8 @@ StatusOr<int32_t> UpdateService::AllocateCopy(int32_t source, std::string dtype,
 
 Status UpdateService::RefreshIfStale(int32_t handle) {
   std::unique_lock<std::mutex> lock(table_.mu_);
+  // First the runs that write it: a copy a run writes is fresh once done.
+  JCXL_RETURN_IF_ERROR(table_.AwaitRuns(lock, handle, Direction::kFromPool));
   // As StartUpdate: a refresh takes addresses, and joins no compaction.
   table_.unpinned_cv_.wait(lock, [this] { return !table_.compacting_; });
   StatusOr<ObjectTable::Object*> found = table_.Lookup(handle);

@@ -50,8 +50,9 @@ class UpdateService {
   // it. Lets a device fetch bfloat16 weights of float32 master weights.
   StatusOr<int32_t> AllocateCopy(int32_t source, std::string dtype,
                                  int64_t timeout_ns = kMaxTimeoutNs);
-  // Before a read of `handle`: a copy whose source was written since it was
-  // made is converted anew (waiting for the update workers).
+  // Before a read of `handle`: waits for the runs that write it
+  // (ObjectTable::AwaitRuns); then a copy whose source was written since it
+  // was made is converted anew (waiting for the update workers).
   Status RefreshIfStale(int32_t handle);
 
  private:
