@@ -10,7 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__SSE2__)
+// AddressSanitizer does not check streaming stores: sanitizer builds copy
+// with memcpy, whose every byte it checks.
+#if (defined(__x86_64__) || defined(__SSE2__)) && \
+    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 #include <emmintrin.h>
 #define JCXL_HAVE_STREAMING_STORES 1
 #endif

@@ -159,6 +159,36 @@ class DroppedStepTest:
     assert "max error 0.0" in result.stdout, result.stdout + result.stderr
 
 
+  def test_the_collector_only_queues_a_dropped_steps_release(self):
+    # Releasing inside the collector (waiting for the step's calls, asking
+    # jax whether they were over) crashed the interpreter later, in the
+    # collector, with a freed code object.
+    from jcxl._src.host_update import runtime  # pylint: disable=g-import-not-at-top
+    with jcxl.Pool(host="32MiB", cxl="64MiB") as pool:
+      p = jcxl.place(init(), "cxl", pool=pool)
+      o = jcxl.place(tx.init(init()), "cxl", pool=pool)
+      placed = set(pool.handles())
+      step = jcxl.cxl_offload(step_fn, update="host")
+      p, o, _ = step(p, o, X)
+      jax.block_until_ready(p)
+      assert set(pool.handles()) > placed  # its gradients' objects
+      queued = len(runtime._dropped)
+      del step
+      gc.collect()
+      assert len(runtime._dropped) == queued + 1
+      assert set(pool.handles()) > placed  # not freed by the collector
+      # The next step made frees them (and its own come in their place).
+      other = jcxl.cxl_offload(step_fn, update="host")
+      assert not runtime._dropped
+      assert set(pool.handles()) == placed
+      p, o, _ = other(p, o, X)
+      want = jax.jit(step_fn)(*jax.jit(step_fn)(init(), tx.init(init()), X)[:2],
+                              X)[0]
+      got = jcxl.gather(p)
+      for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
 class ExitTest:
 
   def test_exit_waits_for_the_step_dispatched_last(self):

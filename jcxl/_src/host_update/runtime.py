@@ -38,11 +38,13 @@ class HostUpdates:
     # The results of the step's calls that may still run: they use the
     # objects, which are freed only once those calls are over.
     self._running: list[Any] = []
-    self._finalizer = weakref.finalize(self, _release, self._made,
-                                       self._running)
+    self._finalizer = weakref.finalize(self, _dropped.append,
+                                       (self._made, self._running))
+    release_dropped()
 
   def dispatched(self, results: Any) -> None:
     """Notes a call of the step, by its results: the objects outlive it."""
+    release_dropped()
     self._running[:] = [r for r in self._running
                         if not dispatched.wait_for_results(r, 0)]
     self._running.append(results)
@@ -67,7 +69,8 @@ class HostUpdates:
                      for c in node.copies if c.source in copies))
 
   def close(self) -> None:
-    self._finalizer()
+    if self._finalizer.detach():
+      _release(self._made, self._running)
 
 
 def _make(pool: Any, node: HostUpdateNode
@@ -168,6 +171,21 @@ def _virtual(target: PoolArray, shape: Any, dtype: Any, what: str
 # How long freeing a dropped step's objects waits for its calls still
 # running (each of their transfers has its pool's timeout_s).
 _RELEASE_WAIT_S = 300.0
+
+
+# The HostUpdates of steps that were collected, released at the next step
+# made or called (or their pool's close), not by the collector: releasing
+# waits for the step's calls still running and asks jax whether they are,
+# and a finalizer may run inside any allocation of any thread, jax's own
+# among them. (Releasing there corrupted the interpreter's heap.)
+_dropped: list[tuple[dict, list[Any]]] = []
+
+
+def release_dropped() -> None:
+  """Frees the objects and programs of the steps collected since the
+  last call (see _dropped)."""
+  while _dropped:
+    _release(*_dropped.pop())
 
 
 def _release(made: dict, running: list[Any]) -> None:
