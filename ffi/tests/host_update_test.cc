@@ -242,8 +242,10 @@ TEST(IndependentRunsOverlapAndRunsSharingAnObjectWait) {
   CHECK_EQ(pool->updates().update_stats().overlapped, 1u);
   // Runs on one object: the second waits for the first to end.
   run_held({*on_x, *on_x, *on_y, *on_y});
-  // Only the first run on y overlapped (the second run on x).
-  CHECK_EQ(pool->updates().update_stats().overlapped, 2u);
+  // The first run on y overlaps the first on x, as above; a second run
+  // may or may not meet the other object's run still under way (timing).
+  const uint64_t overlapped = pool->updates().update_stats().overlapped;
+  CHECK(overlapped >= 2u && overlapped <= 3u);
   std::vector<float> want_x = x, want_y = y;
   for (float& v : want_x) v = ((v * 2.0f + 1.0f) * 2.0f + 1.0f) * 2.0f + 1.0f;
   for (float& v : want_y) v = ((v * 2.0f + 1.0f) * 2.0f + 1.0f) * 2.0f + 1.0f;
