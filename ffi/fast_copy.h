@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
-// AddressSanitizer does not check streaming stores: sanitizer builds copy
-// with memcpy, whose every byte it checks.
+// The sanitizers do not check streaming stores: their builds copy with
+// memcpy, whose every byte they check.
 #if (defined(__x86_64__) || defined(__SSE2__)) && \
     !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 #include <emmintrin.h>

@@ -174,18 +174,23 @@ _RELEASE_WAIT_S = 300.0
 
 
 # The HostUpdates of steps that were collected, released at the next step
-# made or called (or their pool's close), not by the collector: releasing
-# waits for the step's calls still running and asks jax whether they are,
-# and a finalizer may run inside any allocation of any thread, jax's own
-# among them. (Releasing there corrupted the interpreter's heap.)
+# made or called, not by the collector (a pool closed meanwhile took its
+# objects with it): releasing waits for the step's calls still running and
+# asks jax whether they are, and a finalizer may run inside any allocation
+# of any thread, jax's own among them. (Releasing there later crashed the
+# collector on a freed code object.)
 _dropped: list[tuple[dict, list[Any]]] = []
 
 
 def release_dropped() -> None:
   """Frees the objects and programs of the steps collected since the
-  last call (see _dropped)."""
-  while _dropped:
-    _release(*_dropped.pop())
+  last call (see _dropped); safe from several threads at once."""
+  while True:
+    try:
+      made, running = _dropped.pop()
+    except IndexError:
+      return
+    _release(made, running)
 
 
 def _release(made: dict, running: list[Any]) -> None:
